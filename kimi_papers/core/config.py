@@ -15,7 +15,8 @@ from typing import Any, Mapping
 
 # %% auto #0
 __all__ = ['SettingsError', 'project_root', 'Settings', 'load_settings', 'settings', 'results_dir', 'model_cache_dir', 'runs_dir',
-           'check_profile', 'pick_profile', 'resolve_device', 'seed_everything', 'configure_threads']
+           'check_profile', 'pick_profile', 'resolve_device', 'seed_everything', 'configure_threads', 'device_name',
+           'run_banner']
 
 # %% ../../nbs/core/config.ipynb #d76975a9
 _SCHEMA: dict[str, dict[str, type]] = {
@@ -219,3 +220,32 @@ def configure_threads() -> int:
     if n:
         torch.set_num_threads(max(1, int(n)))
     return torch.get_num_threads()
+
+# %% ../../nbs/core/config.ipynb #dc4e8256
+def device_name(device: "torch.device | str | None" = None) -> str:
+    """A human-readable name of the device in use: the GPU's name, else the CPU model."""
+    import platform
+    try:
+        import torch
+        dev = resolve_device("auto" if device is None else str(device))
+        if dev.type == "cuda":
+            return torch.cuda.get_device_name(dev)
+    except ImportError:
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return "CPU: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU: " + (platform.processor() or platform.machine())
+
+
+def run_banner(profile: str, seed: int | None = None, device: "torch.device | str | None" = None) -> str:
+    """One markdown line stating the profile, seed, device, date and package version of this run."""
+    import datetime as dt
+    from kimi_papers import __version__
+    check_profile(profile)
+    when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    seed_txt = f", seed {seed}" if seed is not None else ""
+    return f"**Run:** profile `{profile}`{seed_txt} on {device_name(device)}, {when}, kimi_papers {__version__}."

@@ -10,14 +10,13 @@ import fcntl
 import json
 import math
 import os
-import platform
 import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from .config import check_profile, results_dir
+from .config import check_profile, device_name, results_dir
 
 # %% auto #0
 __all__ = ['CLAIM_STATUSES', 'MECHANICS_STATUSES', 'Claim', 'atomic_write_text', 'results_path', 'load_results', 'record',
@@ -133,23 +132,6 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 # %% ../../nbs/core/ledger.ipynb #a86c6c48
-def _device_name() -> str:
-    """The accelerator's name when one is in use, else the CPU's."""
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except ImportError:
-        pass
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return "CPU: " + line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "CPU: " + (platform.processor() or platform.machine())
-
-
 def results_path(paper: str, folder: Path | None = None) -> Path:
     """Where the ledger file of `paper` lives."""
     return Path(folder or results_dir()) / f"{paper}.json"
@@ -176,7 +158,7 @@ def record(claim: Claim, measured: Any, profile: str, *, seeds: Sequence[int] = 
     from kimi_papers import __version__
     entry = {
         "measured": _jsonable(value), "status": _status(claim, value, status), "profile": profile,
-        "seeds": [int(s) for s in seeds], "device": device or _device_name(),
+        "seeds": [int(s) for s in seeds], "device": device or device_name(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "version": __version__, "note": note, "context": _jsonable(context),
     }
