@@ -23,7 +23,8 @@ from .ledger import board, load_results
 
 # %% auto #0
 __all__ = ['PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'parse_param', 'parse_params', 'RunResult', 'failed_cell',
-           'run_env', 'run_notebook', 'run_many', 'summary', 'cmd_list', 'cmd_run', 'cmd_board', 'parser', 'main']
+           'run_env', 'run_notebook', 'run_many', 'adopt_executed', 'summary', 'cmd_list', 'cmd_run', 'cmd_board',
+           'parser', 'main']
 
 # %% ../../nbs/core/run.ipynb #2dc095b1
 PAPER_FOLDERS = ("rl", "architectures", "serving", "decoding", "agents", "evaluation", "safety", "science")
@@ -198,8 +199,20 @@ def run_many(books: Sequence[Workbook], profile: str = "smoke", params: dict[str
     if record and profile == "full":
         for r, b in zip(out, books):
             if r.ok and b.is_paper:
-                shutil.copyfile(r.output, b.path)  # the committed notebook shows the latest recorded full run
+                adopt_executed(r.output, b.path)
     return out, run_dir
+
+
+def adopt_executed(executed: Path, target: Path) -> None:
+    """Replace a committed notebook by its executed copy (atomically), cleaned the way nbdev-clean does."""
+    from nbdev.clean import nbdev_clean
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.copyfile(executed, tmp)
+    try:
+        nbdev_clean(fname=str(tmp))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def summary(results: Sequence[RunResult]) -> str:
