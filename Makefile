@@ -10,7 +10,8 @@ export HF_HUB_OFFLINE := 1
 export HF_HUB_DISABLE_PROGRESS_BARS := 1
 export TORCHINDUCTOR_CACHE_DIR ?= $(HOME)/.cache/kimi_papers/inductor
 
-.PHONY: setup test run board docs lab export check-sync full clean
+
+.PHONY: setup test test-slow run board docs lab export check-sync full clean
 
 setup: $(STAMP)  ## create .venv and install everything (a second call installs nothing)
 
@@ -25,6 +26,9 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 test: $(STAMP)  ## unit tests + every notebook through papermill (smoke) + docs build + browser test
+	$(BIN)/python -m pytest -n $(JOBS) -m "not slow" --durations=0 -q -rs
+
+test-slow: $(STAMP)  ## the slow tests too (real-model concurrency, large shapes)
 	$(BIN)/python -m pytest -n $(JOBS) --durations=0 -q -rs
 
 run: $(STAMP)  ## the main job: every notebook headlessly (smoke by default), then the board and the docs site
