@@ -149,7 +149,7 @@ def run_notebook(book: Workbook, out: Path, profile: str, params: dict[str, Any]
     """Execute one notebook with papermill in a child process; never touches `nbs/`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     kernel = settings().get("run", "kernel_name")
-    all_params = {"profile": profile, **params} if book.is_paper else dict(params)
+    all_params = {"profile": profile, **params}  # harmless where a notebook has no `profile` parameter
     cmd = [sys.executable, "-m", "papermill", str(book.path), str(out), "-k", kernel, "--language", "python", "--no-progress-bar",
            "--cwd", str(book.path.parent), "-y", json.dumps(all_params)]
     budget = settings().budget_s(profile)
