@@ -122,8 +122,8 @@ def failed_cell(executed: Path) -> str:
         return ""
     n = 0
     for c in nb.get("cells", []):
-        if c.get("cell_type") != "code":
-            continue
+        if c.get("cell_type") != "code" or "injected-parameters" in c.get("metadata", {}).get("tags", []):
+            continue  # count cells as they are in the source notebook, without papermill's injected one
         n += 1
         for o in c.get("outputs", []):
             if o.get("output_type") == "error":
@@ -307,5 +307,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "ipykernel" not in sys.modules:  # `python -m kimi_papers.core.run`, not the notebook
     sys.exit(main())
