@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import os
-import platform
 import time
 import types
 import warnings
@@ -20,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .config import settings
+from .config import device_name as config_device_name, settings
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -139,19 +138,9 @@ def compile_info(fn: Callable) -> dict[str, Any]:
 
 # %% ../../nbs/core/kernels.ipynb #03b65d74
 def device_name(device: str | torch.device = "cpu") -> str:
-    """A readable name of the device: the GPU's name, or the CPU model and torch's thread count."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.get_device_name(dev)
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU: {model} ({torch.get_num_threads()} threads)"
+    """`config.device_name`, plus torch's thread count on CPU (benchmarks depend on it)."""
+    name = config_device_name(torch.device(device))
+    return f"{name} ({torch.get_num_threads()} threads)" if name.startswith("CPU") else name
 
 
 def _sync(dev: torch.device) -> None:
