@@ -138,6 +138,8 @@ def proc_cell(cell: dict) -> dict | None:
     cell = {**cell, "metadata": dict(cell.get("metadata", {}))}
     if cell["cell_type"] != "code":
         return cell
+    if "injected-parameters" in cell["metadata"].get("tags", []):
+        return None  # papermill's injected cell: the run note above says which parameters ran
     d, body = parse_directives("".join(cell.get("source", "")))
     if "hide" in d or _is_false(d.get("include", "true")):
         return None
@@ -351,51 +353,16 @@ def root_toctree(groups: dict[str, list[Path]], api: bool) -> str:
 
 # ---------------------------------------------------------------------------------- the board
 
-def load_board(results_dir: Path | None) -> tuple[Any, Any] | None:
-    """(table, figure) from `kimi_papers.core.ledger.board`, or None when no result is recorded yet."""
-    rdir = Path(results_dir) if results_dir else _default_results_dir()
+def load_board(results_dir: Path | None) -> Any | None:
+    """The `kimi_papers.core.ledger.Board` of a results folder, or None when no result is recorded yet."""
+    from kimi_papers.core.ledger import board, ledger_dir
+    rdir = Path(results_dir) if results_dir else ledger_dir()
     if not sorted(rdir.glob("*.json")):
         return None
     from kimi_papers.core import viz
-    from kimi_papers.core.ledger import board
     viz.setup()  # the collection's plotly theme for the board figure
-    return board(rdir)
-
-
-def _default_results_dir() -> Path:
-    from kimi_papers.core.config import results_dir
-    return Path(results_dir())
-
-
-def _cell_class(col: str, value: Any) -> str:
-    if col == "status" and isinstance(value, str):
-        return f' class="status-{re.sub(r"[^a-z]+", "-", value.lower()).strip("-")}"'
-    return ""
-
-
-def _cell(col: str, value: Any, links: dict[str, str]) -> str:
-    text = html.escape(_fmt(value))
-    if col == "paper" and str(value) in links:
-        text = f'<a href="{html.escape(links[str(value)])}">{text}</a>'
-    return f"<td{_cell_class(col, value)}>{text}</td>"
-
-
-def board_html(df: Any, links: dict[str, str] | None = None) -> str:
-    """The board table as HTML, escaped, a class per status for colour, papers linked to their pages."""
-    cols = [str(c) for c in df.columns]
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-    body = ["<tr>" + "".join(_cell(c, v, links or {}) for c, v in zip(cols, row)) + "</tr>"
-            for row in df.itertuples(index=False)]
-    return (f'<div class="kimi-board-wrap"><table class="docutils kimi-board"><thead><tr>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table></div>")
-
-
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and v != v):
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
+    b = board(rdir)
+    return None if b.empty else b
 
 
 def board_page(results_dir: Path | None, links: dict[str, str] | None = None) -> str:
@@ -408,62 +375,16 @@ def board_page(results_dir: Path | None, links: dict[str, str] | None = None) ->
     if got is None:
         body = "*No results recorded yet: run a notebook with `kimi-papers run SLUG --record`.*"
     else:
-        import plotly.io as pio
-        df, fig = got
-        parts = []
-        if fig is not None and len(getattr(fig, "data", ())) > 0:
-            parts.append(pio.to_html(fig, full_html=False, include_plotlyjs=False, include_mathjax=False,
-                                     div_id="kimi-board-figure"))
-        parts.append(board_html(df, links))
-        body = "\n".join(["```{raw} html", *parts, "```"])
+        body = "\n".join(["```{raw} html", got.html_tables(links), got.figure_html(), "```"])
     return template.replace("<!-- BOARD -->", body)
 
 
 # ------------------------------------------------------------------------------- API reference
-
-def _annotation(a: Any) -> str:
-    return a if isinstance(a, str) else inspect.formatannotation(a)
-
-
-def _clean_repr(v: Any) -> str:
-    """repr without memory addresses or this machine's home folder (pages must not differ per machine)."""
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(v)).replace(str(Path.home()), "~")
-
-
-def signature(obj: Callable, name: str, returns: bool = True) -> str:
-    """`name(params) -> ret` with annotations as written; one parameter a line when long."""
-    try:
-        sig = inspect.signature(obj)
-    except (TypeError, ValueError):
-        return f"{name}(...)"
-    params, prev_kind = [], None
-    for p in sig.parameters.values():
-        if prev_kind == p.POSITIONAL_ONLY and p.kind != p.POSITIONAL_ONLY:
-            params.append("/")
-        if p.kind == p.KEYWORD_ONLY and prev_kind not in (p.KEYWORD_ONLY, p.VAR_POSITIONAL):
-            params.append("*")
-        s = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
-        if p.annotation is not p.empty:
-            s += f": {_annotation(p.annotation)}"
-        if p.default is not p.empty:
-            s += (" = " if p.annotation is not p.empty else "=") + _clean_repr(p.default)
-        params.append(s)
-        prev_kind = p.kind
-    if prev_kind == inspect.Parameter.POSITIONAL_ONLY:
-        params.append("/")
-    ret = f" -> {_annotation(sig.return_annotation)}" if returns and sig.return_annotation is not sig.empty else ""
-    one = f"{name}({', '.join(params)}){ret}"
-    if len(one) <= 92:
-        return one
-    return f"{name}(\n" + "".join(f"    {p},\n" for p in params) + f"){ret}"
-
-
-def _doc_of(obj: Any) -> str:
-    doc = obj.__doc__ if isinstance(obj.__doc__, str) else None
-    return inspect.cleandoc(doc) if doc else ""
-
+# The API pages are rendered by Sphinx itself (autodoc + napoleon, viewcode for [source] links); this
+# script only writes one small page per module that points autodoc at it and links its notebook.
 
 def public_names(mod: Any) -> list[str]:
+    """The module's public names: its `__all__` (nbdev writes one), else what it defines itself."""
     names = getattr(mod, "__all__", None)
     if names is None:
         names = [n for n, v in vars(mod).items() if not n.startswith("_")
@@ -471,40 +392,12 @@ def public_names(mod: Any) -> list[str]:
     return list(names)
 
 
-def _member_entries(cls: type) -> list[tuple[str, str, str]]:
-    """(name, signature or kind, docstring) of the public methods and properties a class defines."""
-    out = []
-    for n, v in vars(cls).items():
-        if n.startswith("_"):
-            continue
-        if isinstance(v, property):
-            out.append((n, f"{cls.__name__}.{n}  # property", _doc_of(v)))
-        elif isinstance(v, (staticmethod, classmethod)):
-            out.append((n, signature(v.__func__, f"{cls.__name__}.{n}"), _doc_of(v.__func__)))
-        elif inspect.isfunction(v):
-            out.append((n, signature(v, f"{cls.__name__}.{n}"), _doc_of(v)))
-    return out
-
-
 def module_page(mod: Any, notebook_doc: str | None) -> str:
-    """One module's API page: every public name with its signature and docstring."""
+    """One module's API page: a heading, a link to its notebook, and an autodoc directive for its members."""
     lines = [f"# `{mod.__name__}`", ""]
-    if _doc_of(mod):
-        lines += [_doc_of(mod), ""]
     if notebook_doc:
         lines += [f"Defined, explained and tested in the notebook {{doc}}`/{notebook_doc}`.", ""]
-    for name in public_names(mod):
-        obj = getattr(mod, name, None)
-        if inspect.isclass(obj):
-            lines += [f"## `{name}` (class)", "", "```python", f"class {signature(obj, name, returns=False)}", "```", ""]
-            lines += [_doc_of(obj) or "", ""]
-            for mname, msig, mdoc in _member_entries(obj):
-                lines += [f"### `{name}.{mname}`", "", "```python", msig, "```", "", mdoc, ""]
-        elif callable(obj):
-            lines += [f"## `{name}`", "", "```python", signature(obj, name), "```", "", _doc_of(obj), ""]
-        else:
-            r = _clean_repr(obj)
-            lines += [f"## `{name}`", "", "```python", f"{name} = {r[:300] + (' ...' if len(r) > 300 else '')}", "```", ""]
+    lines += ["```{eval-rst}", f".. automodule:: {mod.__name__}", "   :members:", "   :member-order: bysource", "```", ""]
     return "\n".join(lines)
 
 

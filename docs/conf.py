@@ -10,6 +10,7 @@ stylesheet, font or image.
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,16 @@ project = "kimi_papers"
 author = "kimi_papers developers"
 copyright = "kimi_papers developers"
 
-extensions = ["myst_nb", "sphinx.ext.mathjax"]
+extensions = ["myst_nb", "sphinx.ext.mathjax", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "sphinx.ext.viewcode"]
+
+# API pages: autodoc renders the members of each module (its __all__), with [source] links from viewcode
+autodoc_default_options = {"members": True, "member-order": "bysource"}
+autodoc_typehints = "signature"
+autodoc_preserve_defaults = True  # show defaults as written, not as reprs with memory addresses
+autodoc_mock_imports: list[str] = []
+napoleon_google_docstring = True
+napoleon_numpy_docstring = True
+viewcode_line_numbers = True
 templates_path = ["_templates"]
 html_static_path = ["_static"]
 html_css_files = ["kimi.css"]
@@ -88,4 +98,17 @@ def setup(app):
         if not src.exists():
             raise RuntimeError(f"missing offline asset {src}: reinstall plotly / jupyter-server-mathjax")
     app.connect("build-finished", _copy_vendor)
+    app.connect("autodoc-process-docstring", _escape_plain_docstring)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
+
+
+_RST_SPECIAL = re.compile(r"(?<!\\)([*|])|(?<=\w)_(?=\W|$)")
+
+
+def _escape_plain_docstring(app, what, name, obj, options, lines) -> None:
+    """Docstrings here are plain one-liners (`*arrays`, `|y|`, `x_`), not reST: escape what reST would misread.
+
+    Text inside backticks is left alone (inline literals and roles keep their meaning)."""
+    for i, line in enumerate(lines):
+        parts = re.split(r"(`+[^`]*`+)", line)
+        lines[i] = "".join(p if p.startswith("`") else _RST_SPECIAL.sub(lambda m: "\\" + m.group(0), p) for p in parts)

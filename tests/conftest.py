@@ -9,3 +9,25 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path.home() / ".cache" / "kimi_papers" / "inductor"))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# ---- total notebook time, printed at the end of the run (the suite grows to ~45 notebooks)
+_DURATIONS = ROOT / "runs" / "ci-durations.jsonl"
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist), once
+        _DURATIONS.unlink(missing_ok=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    import json
+    if hasattr(config, "workerinput") or not _DURATIONS.is_file():
+        return
+    rows = [json.loads(line) for line in _DURATIONS.read_text().splitlines() if line.strip()]
+    if rows:
+        total = sum(r["seconds"] for r in rows)
+        slow = sorted(rows, key=lambda r: -r["seconds"])[:5]
+        terminalreporter.write_line(
+            f"notebooks: {len(rows)} ran, {total:.0f} s of notebook time in all; slowest: "
+            + ", ".join(f"{r['notebook']} {r['seconds']:.0f} s" for r in slow))

@@ -186,8 +186,11 @@ def site(tmp_path_factory) -> Path:
             results = shared / "kimi-docs-results"
             from kimi_papers.core.ledger import Claim, record
             record(Claim(paper="docs_fixture", id="toy_claim", statement="The method beats the baseline",
-                         paper_value="2x", setting="toy", metric="ratio", threshold=1.5),
-                   2.0, "smoke", seeds=[0], folder=results)
+                         paper_value="2x", setting="toy", metric="ratio", threshold=1.5, unit="x"),
+                   [2.0, 2.1, 2.2], "smoke", seeds=[0, 1, 2], folder=results)
+            record(Claim(paper="docs_fixture", id="toy_identity", statement="The two paths agree", paper_value="-",
+                         setting="toy", metric="max abs error", threshold=1e-6, direction="<=", kind="mechanics"),
+                   0.0, "smoke", folder=results)
             r = _run_build("--extra", str(FIXTURE_SITE), "--results", str(results), "--out", str(out))
             assert r.returncode == 0, r.stdout + r.stderr
             print(r.stdout)
@@ -211,7 +214,9 @@ def test_site_has_every_page(site):
     assert 'src="../_static/plotly.min.js"' in page.split("</head>")[0]  # in the head, before the figures
     assert "MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe" in page
     board = (site / "board.html").read_text()
-    assert "The method beats the baseline" in board and "status-reproduced" in board
+    assert "The method beats the baseline" in board and ">reproduced</span>" in board
+    assert "2.1 [" in board and "x (n=3)" in board  # the estimate with its interval, unit and n
+    assert board.index("Paper claims") < board.index("Mechanics") < board.index("The two paths agree")
     api = (site / "api" / "kimi_papers.core.ledger.html").read_text()
     assert "record" in api and "core/ledger.html" in api  # linked to its notebook page
 
@@ -323,6 +328,20 @@ def test_spec_md_page_renders_offline(site, tmp_path):
         pytest.skip("nbs/serving/spec_md.ipynb is committed without outputs: record its full run first")
     page = site / "serving" / "spec_md.html"
     _check_rendered(page, tmp_path, "docs-serving-spec_md")
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("rel", ["serving/spec_md", "rl/pmd_mean", "rl/optimal_token_baseline"])
+def test_paper_page_opens_with_results_at_a_glance(site, tmp_path, rel):
+    nb = ROOT / "nbs" / f"{rel}.ipynb"
+    if not any(c.get("outputs") for c in json.loads(nb.read_text())["cells"]):
+        pytest.skip(f"nbs/{rel}.ipynb is committed without outputs: record its full run first")
+    page = site / f"{rel}.html"
+    text = page.read_text()
+    assert "Results at a glance" in text, f"{rel}: no Results at a glance"
+    assert text.index("Results at a glance") < text.index("The idea"), f"{rel}: the verdicts must come before the method"
+    assert "injected-parameters" not in text and "# Parameters" not in text  # papermill's injected cell is hidden
+    _check_rendered(page, tmp_path, f"docs-{rel.replace('/', '-')}")
 
 
 @pytest.mark.browser
