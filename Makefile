@@ -36,23 +36,30 @@ test: warm  ## unit tests + every notebook through papermill (smoke) + docs buil
 test-slow: $(STAMP)  ## the slow tests too (real-model concurrency, large shapes)
 	$(BIN)/python -m pytest -n $(JOBS) --durations=0 -q -rs
 
-run: $(STAMP)  ## the main job: every notebook headlessly (smoke by default), then the board and the docs site
-	$(BIN)/kimi-papers run --profile $(PROFILE) --jobs $(JOBS)
-	$(BIN)/kimi-papers board --html runs/board.html
-	$(BIN)/python CI/build_docs.py --out _docs
+# the board of this run (runs/latest -> its folder) comes last, and is shown even when a notebook failed;
+# the exit status is the run's (1: a notebook failed; 130: interrupted, then nothing more runs)
+run: $(STAMP)  ## the main job: every notebook headlessly (smoke by default), the docs site, then the board of this run
+	@rc=0; $(BIN)/kimi-papers run --profile $(PROFILE) --jobs $(JOBS) || rc=$$?; \
+	if [ $$rc -ge 128 ]; then exit $$rc; fi; \
+	$(BIN)/python CI/build_docs.py --out _docs || rc=$$?; \
+	$(BIN)/kimi-papers board --results runs/latest/results --html runs/board.html || rc=$$?; \
+	exit $$rc
 
 full: $(STAMP)  ## one paper with the full profile, recorded: make full SLUG=spec_md
 	@test -n "$(SLUG)" || (echo "usage: make full SLUG=<paper slug>"; exit 2)
 	$(BIN)/kimi-papers run $(SLUG) --profile full --jobs 1 --record
 
-board: $(STAMP)
-	$(BIN)/kimi-papers board
+board: $(STAMP)  ## the recorded board (data/results), or any run's: make board RESULTS=runs/latest/results
+	$(BIN)/kimi-papers board $(if $(RESULTS),--results $(RESULTS))
 
 docs: $(STAMP)  ## the offline docs site from the committed (executed) notebooks into _docs/
 	$(BIN)/python CI/build_docs.py --out _docs
 
-lab: $(STAMP)  ## JupyterLab on the notebooks
-	$(BIN)/jupyter lab --notebook-dir=nbs
+# JupyterLab refuses to start as root without --allow-root (containers often run as root)
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+
+lab: $(STAMP)  ## JupyterLab on the notebooks (results of a notebook run there go to runs/results/)
+	$(BIN)/jupyter lab --notebook-dir=nbs $(ALLOW_ROOT)
 
 export: $(STAMP)  ## notebooks -> library, strip notebook metadata, README from nbs/index.ipynb
 	cd nbs && ../$(BIN)/nbdev-export && ../$(BIN)/nbdev-clean

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import configparser
+import numbers
 import os
 import random
 from dataclasses import dataclass, field
@@ -14,20 +15,20 @@ from pathlib import Path
 from typing import Any, Mapping
 
 # %% auto #0
-__all__ = ['SettingsError', 'project_root', 'Settings', 'load_settings', 'settings', 'results_dir', 'model_cache_dir', 'runs_dir',
-           'check_profile', 'pick_profile', 'resolve_device', 'seed_everything', 'configure_threads', 'device_name',
-           'run_banner']
+__all__ = ['SettingsError', 'project_root', 'Settings', 'load_settings', 'settings', 'results_dir', 'ledger_dir',
+           'model_cache_dir', 'runs_dir', 'check_profile', 'is_like', 'check_like', 'pick_profile', 'resolve_device',
+           'seed_everything', 'configure_threads', 'device_name', 'run_banner']
 
 # %% ../../nbs/core/config.ipynb #d76975a9
 _SCHEMA: dict[str, dict[str, type]] = {
     "profiles": {"names": list, "smoke_budget_s": float, "full_budget_s": float, "default": str},
-    "paths": {"results_dir": Path, "model_cache": Path, "runs_dir": Path, "compile_cache": Path},
+    "paths": {"results_dir": Path, "ledger_dir": Path, "model_cache": Path, "runs_dir": Path, "compile_cache": Path},
     "run": {"jobs": int, "threads_per_job": int, "kernel_name": str},
 }
 
 _DEFAULTS: dict[str, dict[str, str]] = {
     "profiles": {"names": "smoke, full", "smoke_budget_s": "60", "full_budget_s": "1800", "default": "smoke"},
-    "paths": {"results_dir": "data/results", "model_cache": "~/.cache/kimi_papers/models",
+    "paths": {"results_dir": "runs/results", "ledger_dir": "data/results", "model_cache": "~/.cache/kimi_papers/models",
               "runs_dir": "runs", "compile_cache": "~/.cache/kimi_papers/inductor"},
     "run": {"jobs": "2", "threads_per_job": "1", "kernel_name": "python3"},
 }
@@ -153,8 +154,12 @@ def settings() -> Settings:
 
 # %% ../../nbs/core/config.ipynb #2a12367a
 def results_dir() -> Path:
-    """Where the claims ledger lives (`data/results` unless overridden)."""
+    """Where this process writes claims: `runs/results` unless overridden (the runner sets it per run)."""
     return settings().get("paths", "results_dir")
+
+def ledger_dir() -> Path:
+    """The recorded ledger (`data/results`) that the board, the docs and "Results at a glance" read."""
+    return settings().get("paths", "ledger_dir")
 
 def model_cache_dir() -> Path:
     """Where de-quantised model weights are cached."""
@@ -173,8 +178,65 @@ def check_profile(profile: str, s: Settings | None = None) -> str:
     return profile
 
 
+def _scalar_kind(x: Any) -> str | None:
+    """'bool', 'number', 'str' or None (anything else)."""
+    if isinstance(x, bool):
+        return "bool"
+    if isinstance(x, numbers.Real):
+        return "number"
+    return "str" if isinstance(x, str) else None
+
+
+def _kind_text(like: Any) -> str:
+    """How an error message names the kind of `like`."""
+    if isinstance(like, bool):
+        return "True or False"
+    if isinstance(like, numbers.Integral):
+        return "an int"
+    if isinstance(like, numbers.Real):
+        return "a number"
+    if isinstance(like, str):
+        return "a string"
+    if isinstance(like, (list, tuple)):
+        kinds = {_scalar_kind(x) for x in like}
+        plural = {"bool": "booleans", "number": "numbers", "str": "strings"}
+        return f"a list of {plural[kinds.pop()]}" if len(kinds) == 1 and None not in kinds else "a list"
+    if isinstance(like, Mapping):
+        return "a dict"
+    return f"a {type(like).__name__}"
+
+
+def is_like(value: Any, like: Any) -> bool:
+    """Whether `value` has the kind of `like` (None: anything; int -> float allowed; list ~ tuple, elements alike)."""
+    if like is None:
+        return True
+    if isinstance(like, (bool, numbers.Real, str)) or like is None:
+        kind, got = _scalar_kind(like), _scalar_kind(value)
+        if kind == "number" and isinstance(like, numbers.Integral):
+            return got == "number" and isinstance(value, numbers.Integral)
+        return got == kind
+    if isinstance(like, (list, tuple)):
+        if not isinstance(value, (list, tuple)):
+            return False
+        kinds = {_scalar_kind(x) for x in like}
+        if len(kinds) == 1 and None not in kinds:
+            return all(_scalar_kind(v) in kinds for v in value)
+        return True
+    if isinstance(like, Mapping):
+        return isinstance(value, Mapping)
+    return isinstance(value, type(like))
+
+
+def check_like(name: str, value: Any, like: Any, where: str = "") -> Any:
+    """Return `value` if it has the kind of `like` (see `is_like`), else raise a TypeError naming `name`."""
+    if not is_like(value, like):
+        example = "" if isinstance(like, bool) else f" like {like!r}"
+        raise TypeError(f"{name}={value!r}: expected {_kind_text(like)}{example}{where}, got {type(value).__name__}")
+    return value
+
+
 def pick_profile(profile: str, table: Mapping[str, Mapping[str, Any]], **overrides: Any) -> dict[str, Any]:
-    """The parameter row for `profile`, with non-None `overrides` replacing entries of the same name."""
+    """The parameter row for `profile`, with non-None `overrides` (each of the row value's kind) replacing entries."""
     check_profile(profile)
     if profile not in table:
         raise ValueError(f"profile={profile!r}: this notebook defines only {sorted(table)}")
@@ -183,7 +245,7 @@ def pick_profile(profile: str, table: Mapping[str, Mapping[str, Any]], **overrid
         if key not in row:
             raise ValueError(f"unknown parameter {key!r}; expected one of {sorted(row)}")
         if val is not None:
-            row[key] = val
+            row[key] = check_like(key, val, row[key], f" (the {profile} profile's value)")
     return row
 
 # %% ../../nbs/core/config.ipynb #70b31f66

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import model_cache_dir, resolve_device
+from .io import atomic_write, atomic_write_text
 
 # %% auto #0
 __all__ = ['INSTALL_COMMANDS', 'MANIFEST', 'SMOLLM2_GGUF', 'SMOLLM2_CACHE', 'enforce_offline', 'MissingModelPackage',
@@ -107,12 +108,7 @@ def _write_manifest(folder: Path, source: Mapping[str, Any]) -> None:
         entries[p.relative_to(folder).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
     if not entries:
         raise RuntimeError(f"the build wrote no files into {folder}")
-    tmp = folder / (MANIFEST + ".part")
-    with open(tmp, "w") as fh:
-        json.dump({"source": dict(source), "files": entries}, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, folder / MANIFEST)
+    atomic_write_text(folder / MANIFEST, json.dumps({"source": dict(source), "files": entries}, indent=1, sort_keys=True))
 
 
 def cache_is_valid(folder: Path | str, source: Mapping[str, Any] | None = None, deep: bool = False) -> bool:
@@ -253,7 +249,8 @@ def _build_smollm2(folder: Path) -> None:
         del model.config.quantization_config
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
-    save_file(_untied_state(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    state = _untied_state(model)
+    atomic_write(folder / "model.safetensors", lambda tmp: save_file(state, str(tmp), metadata={"format": "pt"}))
     tok.save_pretrained(folder)
 
 # %% ../../nbs/core/models.ipynb #7e76a3b1

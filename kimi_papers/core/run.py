@@ -7,24 +7,37 @@ from __future__ import annotations
 
 import argparse
 import ast
+import builtins
+import contextlib
+import dataclasses
+import datetime as dt
+import difflib
 import json
+import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-from .config import SettingsError, check_profile, project_root, settings
-from .ledger import board, load_results
+from .config import (SettingsError, check_like, check_profile, ledger_dir, project_root, runs_dir,
+                                     settings)
+from .board import board
+from .ledger import adopt, atomic_write_text, load_results
 
 # %% auto #0
-__all__ = ['PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'parse_param', 'parse_params', 'RunResult', 'failed_cell',
-           'run_env', 'run_notebook', 'run_many', 'adopt_executed', 'summary', 'cmd_list', 'cmd_run', 'cmd_board',
-           'parser', 'main']
+__all__ = ['PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'parse_value', 'parse_param', 'parse_params', 'Parameter',
+           'notebook_parameters', 'check_params', 'RunResult', 'failed_cell', 'papermill_warnings', 'mark_incomplete',
+           'run_env', 'run_notebook', 'process_tree', 'alive', 'kill_tree', 'Stopper', 'RunInterrupted',
+           'interrupted_line', 'point_latest', 'write_manifest', 'run_many', 'adopt_executed', 'summary', 'last_runs',
+           'cmd_list', 'run_board', 'cmd_run', 'cmd_board', 'parser', 'main']
 
 # %% ../../nbs/core/run.ipynb #2dc095b1
 PAPER_FOLDERS = ("rl", "architectures", "serving", "decoding", "agents", "evaluation", "safety", "science")
@@ -80,23 +93,129 @@ def select(slugs: Sequence[str], root: Path | None = None) -> list[Workbook]:
     return [by_slug[s] for s in dict.fromkeys(slugs)]
 
 # %% ../../nbs/core/run.ipynb #f78361fe
+def _plain(v: Any) -> bool:
+    """Whether `v` is made of JSON values only (what papermill can inject)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x) for x in v)
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _plain(x) for k, x in v.items())
+    return False
+
+
+def parse_value(raw: str) -> Any:
+    """A `-p` value: a Python literal, else a YAML value (as papermill's `-y`), else the string itself."""
+    try:
+        val = ast.literal_eval(raw)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        import yaml
+        try:
+            val = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            return raw
+        return val if _plain(val) and val is not None else raw
+    if not _plain(val):
+        raise ValueError(f"{raw!r}: expected a number, string, bool, None, list or dict, got {type(val).__name__}")
+    return val
+
+
 def parse_param(item: str) -> tuple[str, Any]:
-    """Split one `key=value` into a name and a Python value; a malformed item raises ValueError."""
+    """Split one `key=value` into a name and a value (see `parse_value`); a malformed item raises ValueError."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key.isidentifier():
         raise ValueError(f"-p {item!r}: expected key=value with a Python identifier as key, e.g. -p steps=100")
     if key == "profile":
         raise ValueError("-p profile=...: use --profile instead")
+    if not raw.strip():
+        raise ValueError(f"-p {item!r}: expected a value after '=', e.g. -p {key}=3")
     try:
-        return key, ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        return key, raw
+        return key, parse_value(raw)
+    except ValueError as e:
+        raise ValueError(f"-p {key}={e}") from None
 
 
 def parse_params(items: Sequence[str]) -> dict[str, Any]:
     """All `-p` items as a dict (later items win)."""
     return dict(parse_param(i) for i in items)
+
+# %% ../../nbs/core/run.ipynb #cc958e55
+@dataclass(frozen=True)
+class Parameter:
+    """One entry of a notebook's parameters cell, as papermill reads it."""
+    name: str
+    default: str           # the default's source text
+    type_name: str = ""    # the annotation or `# type:` comment, if any
+    help: str = ""
+
+    @property
+    def like(self) -> Any:
+        """A value whose kind a `-p` value must have (None: any kind)."""
+        ann = _annotation_like(self.type_name)
+        if ann is not _UNKNOWN:
+            return ann
+        try:
+            return ast.literal_eval(self.default)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return None  # an expression: its kind is unknown here
+
+
+_UNKNOWN = object()
+_ANNOTATION_KINDS = {"int": 0, "float": 0.0, "str": "", "bool": False, "list": [], "tuple": [], "dict": {},
+                     "sequence": [], "mapping": {}}
+
+
+def _annotation_like(type_name: str) -> Any:
+    """`int` -> 0, `list[float]` -> [0.0], `Optional[int]` -> 0; `_UNKNOWN` when there is none or it is not understood."""
+    m = re.fullmatch(r"\s*(?:typing\.)?(\w+)\s*(?:\[\s*(\w+)[^\]]*\])?\s*", type_name or "")
+    if not m:
+        return _UNKNOWN
+    base, inner = m.group(1).lower(), (m.group(2) or "").lower()
+    if base == "optional":
+        base, inner = inner, ""
+    if base not in _ANNOTATION_KINDS:
+        return _UNKNOWN
+    like = _ANNOTATION_KINDS[base]
+    if isinstance(like, list) and inner in ("int", "float", "str", "bool"):
+        return [_ANNOTATION_KINDS[inner]]
+    return like
+
+
+def notebook_parameters(path: Path) -> dict[str, Parameter]:
+    """The parameters cell of the notebook at `path`, by name ({} when it has none)."""
+    cells = json.loads(Path(path).read_text()).get("cells", [])
+    cell = next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
+    if cell is None:
+        return {}
+    from papermill.translators import PythonTranslator  # the parser papermill itself uses to inject and warn
+    src = cell.get("source", "")
+    cell = {**cell, "source": "".join(src) if isinstance(src, list) else src}
+    log = logging.getLogger("papermill")
+    level, log.level = log.level, logging.ERROR  # its parse warnings are shown from the run itself (summary)
+    try:
+        params = PythonTranslator.inspect(cell)
+    finally:
+        log.setLevel(level)
+    return {p.name: Parameter(p.name, p.default, "" if p.inferred_type_name == "None" else p.inferred_type_name, p.help)
+            for p in params}
+
+
+def check_params(book: "Workbook", params: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
+    """`params` checked against `book`'s parameters cell, plus `profile` where the notebook declares one."""
+    declared = notebook_parameters(book.path)
+    for key, val in params.items():
+        if key not in declared:
+            close = difflib.get_close_matches(key, list(declared), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            names = ", ".join(declared) if declared else "none: it has no cell tagged 'parameters'"
+            raise ValueError(f"-p {key}: not a parameter of {book.slug}{hint}; its parameters: {names}")
+        p = declared[key]
+        if val is None and (p.default.strip() == "None" or p.type_name.lower().startswith("optional")):
+            continue  # None = "take it from the profile"
+        check_like(f"-p {key}", val, p.like, f" ({book.slug}'s default)")
+    out = {"profile": profile} if profile is not None and "profile" in declared else {}
+    return {**out, **params}
 
 # %% ../../nbs/core/run.ipynb #77c29787
 @dataclass
@@ -108,10 +227,20 @@ class RunResult:
     budget_s: float
     output: Path
     error: str = ""
+    status: str = ""  # ok, failed, timed out, interrupted, not started
+    warnings: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.status = self.status or ("ok" if self.ok else "failed")
 
     @property
     def over_budget(self) -> bool:
         return self.seconds > self.budget_s
+
+    @property
+    def finished(self) -> bool:
+        """The notebook ran to its end or to its failing cell (not cut short by a signal or a timeout)."""
+        return self.status in ("ok", "failed")
 
 
 def failed_cell(executed: Path) -> str:
@@ -132,6 +261,29 @@ def failed_cell(executed: Path) -> str:
     return ""
 
 
+_NOISE = re.compile(r"Kernel is running over TCP without encryption")
+
+
+def papermill_warnings(stderr: str) -> list[str]:
+    """papermill's warnings from its stderr (run with --log-level WARNING): the lines before any traceback."""
+    out = []
+    for line in stderr.splitlines():
+        if line.startswith("Traceback") or line.startswith("-" * 10):
+            break
+        line = line.strip()
+        if line and not _NOISE.search(line):
+            out.append(line)
+    return out
+
+
+def mark_incomplete(executed: Path) -> Path:
+    """Rename the executed copy of a notebook that was cut short to `<name>.incomplete.ipynb`."""
+    target = executed.with_name(executed.name.removesuffix(".ipynb") + ".incomplete.ipynb")
+    if executed.is_file():
+        os.replace(executed, target)
+    return target
+
+
 def run_env(results: Path, threads: int | None) -> dict[str, str]:
     """The environment for a headless notebook kernel."""
     env = dict(os.environ)
@@ -145,61 +297,277 @@ def run_env(results: Path, threads: int | None) -> dict[str, str]:
 
 
 def run_notebook(book: Workbook, out: Path, profile: str, params: dict[str, Any], results: Path,
-                 threads: int | None = None, timeout_s: float | None = None) -> RunResult:
-    """Execute one notebook with papermill in a child process; never touches `nbs/`."""
+                 threads: int | None = None, timeout_s: float | None = None, stop: "Stopper | None" = None) -> RunResult:
+    """Execute one notebook with papermill in a child process (its own session); never touches `nbs/`."""
+    all_params = check_params(book, params, profile)
+    budget = settings().budget_s(profile)
+    if stop is not None and stop.signum is not None:
+        return RunResult(book.slug, False, 0.0, budget, out, "not started", status="not started")
     out.parent.mkdir(parents=True, exist_ok=True)
     kernel = settings().get("run", "kernel_name")
-    all_params = {"profile": profile, **params}  # harmless where a notebook has no `profile` parameter
-    cmd = [sys.executable, "-m", "papermill", str(book.path), str(out), "-k", kernel, "--language", "python", "--no-progress-bar",
-           "--cwd", str(book.path.parent), "-y", json.dumps(all_params)]
-    budget = settings().budget_s(profile)
+    cmd = [sys.executable, "-m", "papermill", str(book.path), str(out), "-k", kernel, "--language", "python",
+           "--no-progress-bar", "--log-level", "WARNING", "--cwd", str(book.path.parent), "-y", json.dumps(all_params)]
     t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=run_env(results, threads), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # its own group: a terminal's Ctrl-C reaches us only
+    status = ""
+    if stop is not None:
+        stop.add(book.slug, proc)
     try:
-        proc = subprocess.run(cmd, env=run_env(results, threads), capture_output=True, text=True,
-                              timeout=timeout_s, start_new_session=True)
-        ok, err = proc.returncode == 0, ""
-        if not ok:
-            err = failed_cell(out) or (proc.stderr.strip().splitlines() or ["papermill failed"])[-1]
+        _, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        ok, err = False, f"timed out after {timeout_s:.0f} s"
-    return RunResult(book.slug, ok, time.perf_counter() - t0, budget, out, err)
+        kill_tree(process_tree(proc.pid))
+        _, stderr = proc.communicate()
+        status = "timed out"
+    finally:
+        if stop is not None:
+            stop.remove(book.slug)
+    seconds = time.perf_counter() - t0
+    if not status and proc.returncode != 0 and stop is not None and stop.signum is not None:
+        status = "interrupted"
+    if status:
+        out = mark_incomplete(out)
+        err = f"timed out after {timeout_s:.0f} s" if status == "timed out" else f"stopped by {signal.Signals(stop.signum).name}"
+        return RunResult(book.slug, False, seconds, budget, out, err, status=status, warnings=papermill_warnings(stderr))
+    ok, err = proc.returncode == 0, ""
+    if not ok:
+        err = failed_cell(out) or (stderr.strip().splitlines() or ["papermill failed"])[-1]
+    return RunResult(book.slug, ok, seconds, budget, out, err, warnings=papermill_warnings(stderr))
+
+# %% ../../nbs/core/run.ipynb #3d13b8ba
+def _parent_map() -> dict[int, list[int]]:
+    """Child pids by parent pid, for every process on the machine (Linux /proc; `ps` elsewhere)."""
+    kids: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if proc.is_dir():
+        for d in proc.iterdir():
+            if d.name.isdigit():
+                try:
+                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                kids.setdefault(ppid, []).append(int(d.name))
+        return kids
+    for line in subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
+        pid, ppid = map(int, line.split())
+        kids.setdefault(ppid, []).append(pid)
+    return kids
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, parents first."""
+    kids, out, i = _parent_map(), [pid], 0
+    while i < len(out):
+        out.extend(kids.get(out[i], []))
+        i += 1
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return not Path("/proc").is_dir()
+    except (OSError, IndexError):
+        return True
+
+
+def kill_tree(pids: Sequence[int], grace_s: float = 3.0) -> list[int]:
+    """SIGTERM each process in `pids` and its process group, SIGKILL the survivors after `grace_s`; returns pids still alive."""
+    own = os.getpgid(0)
+
+    def send(sig: int) -> None:
+        for pid in pids:
+            try:
+                group = os.getpgid(pid)
+                if group != own:
+                    os.killpg(group, sig)
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
+        if sig == signal.SIGTERM and grace_s <= 0:
+            continue
+        send(sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
+            time.sleep(0.05)
+        if not any(alive(p) for p in pids):
+            break
+    return [p for p in pids if alive(p)]
+
+
+class Stopper:
+    """The children of one run, and the signal (if any) that asked the run to stop."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+        self._killers: list[threading.Thread] = []
+
+    def add(self, slug: str, proc: subprocess.Popen) -> None:
+        with self._lock:
+            self._procs[slug] = proc
+            late = self.signum is not None
+        if late:  # the signal came while this child was starting
+            self._kill(proc, 3.0)
+
+    def remove(self, slug: str) -> None:
+        with self._lock:
+            self._procs.pop(slug, None)
+
+    def _kill(self, proc: subprocess.Popen, grace_s: float) -> None:
+        t = threading.Thread(target=kill_tree, args=(process_tree(proc.pid), grace_s), daemon=True)
+        t.start()
+        self._killers.append(t)
+
+    def request(self, signum: int, frame: Any = None) -> None:
+        """Signal handler: stop every child (the second signal without a grace period)."""
+        again = self.signum is not None
+        self.signum = self.signum or signum
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            self._kill(p, 0.0 if again else 3.0)
+
+    def join(self) -> None:
+        """Wait until every child's tree has been stopped."""
+        for t in list(self._killers):
+            t.join()
+
+    @contextlib.contextmanager
+    def handling(self) -> Iterator["Stopper"]:
+        """Route SIGINT and SIGTERM to `request` while the block runs (main thread only), then restore the handlers."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        old = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield self
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+class RunInterrupted(Exception):
+    """A run stopped by SIGINT/SIGTERM; `results` holds every notebook's outcome."""
+
+    def __init__(self, signum: int, results: list[RunResult], run_dir: Path):
+        self.signum, self.results, self.run_dir = signum, results, run_dir
+        super().__init__(interrupted_line(signum, results))
+
+
+def interrupted_line(signum: int, results: Sequence[RunResult]) -> str:
+    """One line: the signal, which notebooks finished, which were cut short (and where their copies are), which never started."""
+    done = [f"{r.slug} ({r.status})" for r in results if r.finished]
+    cut = [f"{r.slug} -> {r.output}" if r.output.is_file() else f"{r.slug} (nothing written)"
+           for r in results if r.status in ("interrupted", "timed out")]
+    never = [r.slug for r in results if r.status == "not started"]
+    parts = [f"finished: {', '.join(done) or 'none'}", f"incomplete: {', '.join(cut) or 'none'}"]
+    if never:
+        parts.append(f"not started: {', '.join(never)}")
+    return f"interrupted by {signal.Signals(signum).name}; " + "; ".join(parts)
 
 # %% ../../nbs/core/run.ipynb #4512aa4e
+def _new_run_dir() -> Path:
+    """A fresh `runs/<timestamp>-<pid>/` folder."""
+    d = runs_dir() / (time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    d.mkdir(parents=True, exist_ok=False)
+    return d
+
+
+def point_latest(run_dir: Path) -> Path:
+    """Point `runs/latest` at `run_dir` (a relative symlink, replaced atomically)."""
+    link = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest.{os.getpid()}"
+    try:
+        tmp.unlink(missing_ok=True)
+        os.symlink(run_dir.name, tmp)
+        os.replace(tmp, link)
+    except OSError as e:  # e.g. runs/latest is a real folder, or the file system has no symlinks
+        tmp.unlink(missing_ok=True)
+        print(f"kimi-papers: warning: could not point {link} at {run_dir.name}: {e}", file=sys.stderr)
+    return link
+
+
+def write_manifest(run_dir: Path, profile: str, record: bool, results: Path, out: Sequence[RunResult],
+                   started: str, signum: int | None = None) -> Path:
+    """`run.json`: what this run was and how each notebook ended (read by `kimi-papers list`)."""
+    data = {"profile": profile, "record": record, "results": str(results), "started": started,
+            "finished": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "interrupted": signal.Signals(signum).name if signum else None,
+            "notebooks": {r.slug: {"status": r.status, "seconds": round(r.seconds, 1), "output": str(r.output),
+                                   "error": r.error} for r in out}}
+    path = run_dir / "run.json"
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
+    return path
+
+
 def run_many(books: Sequence[Workbook], profile: str = "smoke", params: dict[str, Any] | None = None,
              jobs: int | None = None, record: bool = False, root: Path | None = None,
              progress: bool = True) -> tuple[list[RunResult], Path]:
-    """Run `books` with papermill, `jobs` at a time, into a fresh `runs/<timestamp>/`; returns results and the run folder."""
+    """Run `books` with papermill, `jobs` at a time, into a fresh `runs/<timestamp>/`; returns results and the run folder.
+
+    Results go to `<run folder>/results` (and `runs/latest` points at the run); under `record`, each notebook that
+    succeeded has its results adopted into `ledger_dir()` (its entries for that profile replace the recorded ones).
+    SIGINT/SIGTERM stop every child and raise `RunInterrupted`."""
     check_profile(profile)
     root = root or project_root()
     s = settings()
     jobs = jobs if jobs is not None else s.get("run", "jobs")
-    if not isinstance(jobs, int) or jobs < 0:
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
         raise ValueError(f"--jobs={jobs!r}: expected a non-negative integer")
     jobs = jobs or os.cpu_count() or 1
-    stamp = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
-    run_dir = Path(s.get("paths", "runs_dir")) / stamp
-    results = s.get("paths", "results_dir") if record else run_dir / "results"
+    for b in books:  # every -p checked against every notebook before anything runs
+        check_params(b, params or {}, profile)
+    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    run_dir = _new_run_dir()
+    results = run_dir / "results"  # under `record` each notebook gets its own subfolder, adopted only if it succeeds
     results.mkdir(parents=True, exist_ok=True)
+    own = (lambda b: results / b.slug) if record else (lambda b: results)
     threads = s.get("run", "threads_per_job") if jobs > 1 else None
     timeout = 4 * s.budget_s(profile)
     from tqdm import tqdm
     bar = tqdm(total=len(books), desc=f"kimi-papers run ({profile})", unit="nb", disable=not progress)
     out: list[RunResult] = []
-    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(books) or 1))) as pool:
-        futs = {pool.submit(run_notebook, b, run_dir / b.path.relative_to(root / "nbs"), profile,
-                            params or {}, results, threads, timeout): b for b in books}
-        for f in as_completed(futs):
-            r = f.result()
-            out.append(r)
-            bar.set_postfix_str(f"{r.slug} {'ok' if r.ok else 'FAILED'} {r.seconds:.0f}s")
-            bar.update()
+    stop = Stopper()
+    with stop.handling(), ThreadPoolExecutor(max_workers=max(1, min(jobs, len(books) or 1))) as pool:
+        futs = [pool.submit(run_notebook, b, run_dir / b.path.relative_to(root / "nbs"), profile,
+                            params or {}, own(b), threads, timeout, stop) for b in books]
+        try:
+            for f in as_completed(futs):
+                r = f.result()
+                out.append(r)
+                bar.set_postfix_str(f"{r.slug} {r.status} {r.seconds:.0f}s")
+                bar.update()
+        except BaseException:  # a worker failed to start its child: stop the others rather than wait for them
+            stop.request(signal.SIGTERM)
+            stop.join()
+            raise
+        stop.join()
     bar.close()
     order = {b.slug: i for i, b in enumerate(books)}
     out.sort(key=lambda r: order[r.slug])
-    if record and profile == "full":
+    write_manifest(run_dir, profile, record, results, out, started, stop.signum)
+    if not record:
+        point_latest(run_dir)
+    if record:  # notebooks that finished (also before a Ctrl-C) are adopted; a failed one never touches the ledger
         for r, b in zip(out, books):
-            if r.ok and b.is_paper:
-                adopt_executed(r.output, b.path)
+            if r.ok:
+                adopt(own(b), ledger_dir())
+                if profile == "full" and b.is_paper:
+                    adopt_executed(r.output, b.path)
+    if stop.signum is not None:
+        raise RunInterrupted(stop.signum, out, run_dir)
     return out, run_dir
 
 
@@ -216,47 +584,87 @@ def adopt_executed(executed: Path, target: Path) -> None:
 
 
 def summary(results: Sequence[RunResult]) -> str:
-    """A plain-text table of a run: slug, status, seconds against the budget, output path."""
-    lines = [f"{'notebook':<32} {'status':<8} {'seconds':>8} {'budget':>7}  output"]
+    """A plain-text table of a run: slug, status, seconds against the budget, output path, papermill's warnings."""
+    lines = [f"{'notebook':<32} {'status':<11} {'seconds':>8} {'budget':>7}  output"]
     for r in results:
-        status = "ok" if r.ok else "FAILED"
         flag = " (over budget)" if r.ok and r.over_budget else ""
-        lines.append(f"{r.slug:<32} {status:<8} {r.seconds:>8.1f} {r.budget_s:>7.0f}  {r.output}{flag}")
+        lines.append(f"{r.slug:<32} {r.status.upper() if r.status == 'failed' else r.status:<11} {r.seconds:>8.1f} "
+                     f"{r.budget_s:>7.0f}  {r.output}{flag}")
         if not r.ok:
             lines.append(f"    -> {r.error}")
+        lines += [f"    papermill: {w}" for w in r.warnings]
     return "\n".join(lines)
 
 # %% ../../nbs/core/run.ipynb #2807a5fd
-def _ledger_status(slug: str, profile: str) -> str:
-    """'3/4 reproduced'-style status of a paper's claims for one profile, '-' if never recorded."""
+def _claims_status(slug: str, profile: str, folder: Path) -> str:
+    """'3/4 reproduced'-style status of a paper's claims for one profile in `folder`, '-' if none."""
     try:
-        claims = load_results(slug)["claims"]
+        claims = load_results(slug, folder)["claims"]
     except ValueError:
         return "unreadable"
-    runs = [c["runs"][profile] for c in claims.values() if profile in c.get("runs", {}) and c.get("kind") == "claim"]
+    runs = [c["runs"][profile] for c in claims.values() if profile in c.get("runs", {}) and c.get("kind", "claim") == "claim"]
     if not runs:
         return "-"
-    good = sum(r["status"] == "reproduced" for r in runs)
-    return f"{good}/{len(runs)} reproduced"
+    return f"{sum(r.get('status') == 'reproduced' for r in runs)}/{len(runs)} reproduced"
+
+
+def last_runs(profile: str = "smoke", folder: Path | None = None) -> dict[str, str]:
+    """Per notebook slug, '<status> <date>' of its latest run with `profile` found in the `run.json` files under `runs/`."""
+    found: dict[str, str] = {}
+    for manifest in sorted((folder or runs_dir()).glob("*/run.json"), reverse=True):  # folder names sort by time
+        try:
+            data = json.loads(manifest.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if data.get("profile") != profile:
+            continue
+        when = str(data.get("finished", ""))[:16].replace("T", " ")
+        for slug, nb in data.get("notebooks", {}).items():
+            if slug not in found and nb.get("status") != "not started":
+                found[slug] = f"{nb.get('status')} {when}".strip()
+    return found
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    print(f"{'slug':<26} {'folder':<14} {'smoke':<16} {'full':<16} title")
+    smoke = last_runs("smoke")
+    print(f"{'slug':<26} {'folder':<10} {'last smoke run (runs/)':<30} {'recorded full':<16} title")
     for w in workbooks():
-        if w.is_paper:
-            print(f"{w.slug:<26} {w.folder:<14} {_ledger_status(w.slug, 'smoke'):<16} {_ledger_status(w.slug, 'full'):<16} {w.title}")
-        else:
-            print(f"{w.slug:<26} {w.folder or 'index':<14} {'':<16} {'':<16} {w.title}")
+        full = _claims_status(w.slug, "full", ledger_dir()) if w.is_paper else ""
+        print(f"{w.slug:<26} {w.folder or 'index':<10} {smoke.get(w.slug, '-'):<30} {full:<16} {w.title}")
     return 0
+
+
+def _paper_of(slug: str) -> str:
+    return slug.removeprefix("core.")
+
+
+def run_board(results: Path, slugs: Sequence[str] | None = None):
+    """The board of the results in `results`, limited to the papers `slugs` when given."""
+    b = board(results)
+    if slugs is None or b.empty:
+        return b
+    keep = {_paper_of(s) for s in slugs}
+    part = {k: getattr(b, k)[getattr(b, k).paper.isin(keep)].reset_index(drop=True)
+            for k in ("claims", "mechanics", "substrate", "table")}
+    return dataclasses.replace(b, **part)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     params = parse_params(args.p or [])
     profile = check_profile(args.profile or settings().get("profiles", "default"))
     books = select(args.slugs)
-    results, run_dir = run_many(books, profile, params, args.jobs, args.record, progress=not args.quiet)
+    try:
+        results, run_dir = run_many(books, profile, params, args.jobs, args.record, progress=not args.quiet)
+    except RunInterrupted as e:
+        print(f"kimi-papers: {e}", file=sys.stderr)
+        return 128 + e.signum
     print(summary(results))
     print(f"executed notebooks: {run_dir}")
+    folder = ledger_dir() if args.record else run_dir / "results"
+    b = run_board(folder, [r.slug for r in results] if args.record else None)
+    print(f"\nclaims of this run ({folder}):" if not b.empty else f"\nthis run recorded no claims ({folder})")
+    if not b.empty:
+        print(b.to_text())
     failed = [r for r in results if not r.ok]
     for r in failed:
         print(f"kimi-papers: error: {r.slug} failed at {r.error}", file=sys.stderr)
@@ -264,24 +672,23 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_board(args: argparse.Namespace) -> int:
-    df, fig = board()
-    if df.empty:
-        print("no results recorded yet (data/results/ is empty)")
-    else:
-        import pandas as pd
-        with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_colwidth", 48):
-            print(df[["paper", "claim", "kind", "status", "measured", "threshold", "profile", "paper_value"]].to_string(index=False))
+    folder = Path(args.results) if args.results else ledger_dir()
+    if args.results and not folder.is_dir():
+        raise ValueError(f"--results {folder}: no such folder (a run's results are in runs/<timestamp>/results)")
+    b = board(folder)
+    print(b.to_text() if not b.empty else f"no results in {folder}")
     if args.html:
-        Path(args.html).parent.mkdir(parents=True, exist_ok=True)
-        fig.write_html(args.html, include_plotlyjs=True, full_html=True)  # plotly.js inlined: works offline
-        print(f"board figure: {args.html}")
+        html = Path(args.html)
+        html.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(html, b.to_html())  # plotly.js inlined: works offline
+        print(f"board page: {html}")
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-papers", description="Run and inspect the kimi_papers research workbooks.")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("list", help="the workbooks with their ledger status").set_defaults(fn=cmd_list)
+    sub.add_parser("list", help="the workbooks, their last smoke run and their recorded full status").set_defaults(fn=cmd_list)
     r = sub.add_parser("run", help="execute workbooks headlessly with papermill")
     r.add_argument("slugs", nargs="*", help="paper slugs (e.g. spec_md) or core.<name>; none = all")
     r.add_argument("--profile", help="smoke (default) or full")
@@ -290,8 +697,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--record", action="store_true", help="write data/results/ (and, for full runs, the committed notebooks)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(fn=cmd_run)
-    b = sub.add_parser("board", help="the reproduction board from data/results/")
-    b.add_argument("--html", help="also write the board figure as a self-contained HTML file")
+    b = sub.add_parser("board", help="the reproduction board of a results folder (default: the recorded data/results/)")
+    b.add_argument("--results", metavar="DIR", help="a results folder, e.g. runs/latest/results (default: data/results)")
+    b.add_argument("--html", metavar="PATH", help="also write the board as a standalone offline HTML page")
     b.set_defaults(fn=cmd_board)
     return p
 
@@ -305,7 +713,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, SettingsError, ImportError) as e:
         print(f"kimi-papers: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run (a run handles its own signals): no traceback
+        print("kimi-papers: interrupted (no notebook was running)", file=sys.stderr)
+        return 130
 
 
-if __name__ == "__main__" and "ipykernel" not in sys.modules:  # `python -m kimi_papers.core.run`, not the notebook
-    sys.exit(main())
+if __name__ == "__main__" and not getattr(builtins, "__IPYTHON__", False):
+    sys.exit(main())  # `python -m kimi_papers.core.run`, not a notebook or IPython (which set builtins.__IPYTHON__)
