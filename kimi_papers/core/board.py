@@ -224,8 +224,8 @@ def glance_html(slug: str, folder: Path | None = None) -> str:
     if df.empty:
         return (f"<p><b>Results at a glance:</b> nothing recorded yet for <code>{_html.escape(slug)}</code>. "
                 f"Reproduce with <code>{_html.escape(cmd)}</code>.</p>")
-    runs = df[["profile", "device", "date"]].drop_duplicates()
-    ran = "; ".join(f"{r.profile} profile on {r.device}, {str(r.date)[:10]}" for r in runs.itertuples())
+    runs = df.assign(day=df.date.astype(str).str[:10])[["profile", "device", "day"]].drop_duplicates()
+    ran = "; ".join(f"{r.profile} profile on {r.device}, {r.day}" for r in runs.itertuples())
     parts = [f"<p><b>Results at a glance</b> — {_html.escape(ran)}. Reproduce: <code>{_html.escape(cmd)}</code></p>"]
     for title, part in (("Claims", df[df.kind == "claim"]), ("Mechanics", df[df.kind == "mechanics"])):
         if len(part):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import sysconfig
 import tempfile
@@ -23,14 +24,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 # %% auto #0
-__all__ = ['LOOKAHEAD_TOP', 'PREFETCH_MODES', 'POLICIES', 'OUTCOMES', 'OLMOE_EXPERT_BYTES', 'MoEConfig', 'Attention', 'MoEFFN',
-           'MoELayer', 'TinyMoE', 'stdlib_corpus', 'sample_prompts', 'router_aux_losses', 'train_tiny_moe',
-           'trained_model', 'unit_rms', 'folded_routers', 'select_prefetch', 'gate_lookahead', 'Trace', 'save_trace',
-           'load_trace', 'record_traces', 'measure_cpu_times', 'build_trace_files', 'synthetic_trace', 'PrefetchPlan',
-           'predict_prefetch', 'lookahead_accuracy', 'CachePolicy', 'LRUCache', 'FIFOCache', 'LFUCache', 'LFRUCache',
-           'LeastStaleCache', 'BeladyCache', 'make_policy', 'HardwareModel', 'olmoe_hardware', 'tiny_real_hardware',
-           'measure_copy_bandwidth', 'SimResult', 'access_sequence', 'simulate', 'capacity_slots', 'prefetcher_label',
-           'sweep', 'gate_lookahead_reference', 'gather_slot_pool', 'cached_expert_ffn']
+__all__ = ['LOOKAHEAD_TOP', 'ROUTING_LOG_FORMAT', 'PREFETCH_MODES', 'POLICIES', 'OUTCOMES', 'OLMOE_EXPERT_BYTES', 'PREFETCH_AT',
+           'MoEConfig', 'Attention', 'MoEFFN', 'MoELayer', 'TinyMoE', 'stdlib_corpus', 'sample_prompts',
+           'router_aux_losses', 'train_tiny_moe', 'trained_model', 'unit_rms', 'folded_routers', 'select_prefetch',
+           'gate_lookahead', 'Trace', 'save_trace', 'load_trace', 'record_traces', 'measure_cpu_times',
+           'build_trace_files', 'synthetic_trace', 'trace_from_routing_log', 'write_routing_log', 'read_routing_log',
+           'PrefetchPlan', 'predict_prefetch', 'oracle_prefetch', 'lookahead_accuracy', 'CachePolicy', 'LRUCache',
+           'FIFOCache', 'LFUCache', 'LFRUCache', 'LeastStaleCache', 'LayerAwareLeastStaleCache', 'BeladyCache',
+           'make_policy', 'HardwareModel', 'olmoe_hardware', 'tiny_real_hardware', 'measure_copy_bandwidth',
+           'SimResult', 'access_sequence', 'simulate', 'capacity_slots', 'prefetcher_label', 'sweep',
+           'gate_lookahead_reference', 'gather_slot_pool', 'cached_expert_ffn']
 
 # %% ../../nbs/serving/spec_md.ipynb #3f82d044
 @dataclass(frozen=True)
@@ -279,24 +282,59 @@ def gate_lookahead(h: torch.Tensor, w: torch.Tensor, mode: str = "fixed", k: int
     return probs, select_prefetch(probs, mode, k, tau, k_max)
 
 # %% ../../nbs/serving/spec_md.ipynb #7ff86d54
+def _check_counts(counts: np.ndarray) -> np.ndarray:
+    """Token counts as non-negative integers (a float array is accepted only if every entry is a whole number)."""
+    if not isinstance(counts, np.ndarray):
+        raise TypeError(f"Trace.counts: expected a numpy array [requests, passes, layers, experts], got {type(counts).__name__}")
+    if counts.dtype.kind == "f":
+        bad = ~np.isfinite(counts)
+        if bad.any():
+            raise ValueError(f"Trace.counts: {int(bad.sum())} NaN/inf entries (first at index {tuple(map(int, np.argwhere(bad)[0]))}); "
+                             "expected non-negative integer token counts")
+        if (counts != np.round(counts)).any():
+            raise ValueError("Trace.counts: non-integer entries; expected whole token counts per (request, pass, layer, expert)")
+        counts = counts.astype(np.int64)
+    elif counts.dtype.kind not in "iu":
+        raise TypeError(f"Trace.counts: dtype {counts.dtype}; expected integer token counts")
+    if counts.size and counts.min() < 0:
+        raise ValueError(f"Trace.counts: negative entry {int(counts.min())}; expected token counts >= 0")
+    return counts
+
+
 @dataclass
 class Trace:
     """Routing trace: tokens per (request, pass, layer, expert) and the stored gate-lookahead top-K per distance."""
     counts: np.ndarray   # [R, P, L, E] uint16: tokens routed to each expert; A_{pass,layer} is its support
-    la_idx: np.ndarray   # [R, P, D, L, K] uint8: layer l+d's router at layer l, top-K expert ids (descending)
+    la_idx: np.ndarray   # [R, P, D, L, K] uint8: layer l+d's router at layer l, top-K expert ids (descending); D may be 0
     la_prob: np.ndarray  # [R, P, D, L, K] float16: their token-mean probabilities; 0 where l+d >= L
     top_k: int
     meta: dict = field(default_factory=dict)
     _views: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        self.counts = _check_counts(self.counts)
         if self.counts.ndim != 4:
             raise ValueError(f"counts: expected [requests, passes, layers, experts], got shape {self.counts.shape}")
         R, P, L, E = self.counts.shape
-        if self.la_idx.shape != self.la_prob.shape or self.la_idx.shape[:2] != (R, P) or self.la_idx.shape[3] != L:
+        for name in ("la_idx", "la_prob"):
+            if not isinstance(getattr(self, name), np.ndarray):
+                raise TypeError(f"Trace.{name}: expected a numpy array [requests, passes, D, layers, K], got {type(getattr(self, name)).__name__}")
+        if self.la_idx.shape != self.la_prob.shape or self.la_idx.ndim != 5 or self.la_idx.shape[:2] != (R, P) or self.la_idx.shape[3] != L:
             raise ValueError(f"la_idx/la_prob: expected [{R}, {P}, D, {L}, K], got {self.la_idx.shape} and {self.la_prob.shape}")
-        if not 1 <= self.top_k <= E:
-            raise ValueError(f"top_k={self.top_k}: expected 1..{E}")
+        if self.la_idx.size:
+            if self.la_idx.dtype.kind not in "iu":
+                raise TypeError(f"Trace.la_idx: dtype {self.la_idx.dtype}; expected integer expert ids")
+            bad = (self.la_idx < 0) | (self.la_idx >= E)
+            if bad.any():   # an id >= E would alias into the next layer's keys (layer * E + expert)
+                at = tuple(map(int, np.argwhere(bad)[0]))
+                raise ValueError(f"Trace.la_idx: expert id {int(self.la_idx[at])} at [request, pass, d-1, layer, k] = {at}; "
+                                 f"expected ids in 0..{E - 1} (n_experts={E})")
+            p = self.la_prob.astype(np.float32)
+            if not np.isfinite(p).all() or (p < 0).any() or (p > 1.001).any():
+                raise ValueError("Trace.la_prob: expected finite probabilities in [0, 1] (no NaN)")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or not 1 <= self.top_k <= E:
+            raise ValueError(f"top_k={self.top_k!r}: expected an int in 1..{E}")
+        self.top_k = int(self.top_k)
 
     n_requests = property(lambda self: self.counts.shape[0])
     passes_per_request = property(lambda self: self.counts.shape[1])
@@ -355,19 +393,20 @@ def record_traces(model: TinyMoE, prompts: np.ndarray, decode_steps: int, *, see
     counts = np.zeros((R, P, L, E), np.uint16)
     la_idx = np.zeros((R, P, max_lookahead, L, K), np.uint8)
     la_prob = np.zeros((R, P, max_lookahead, L, K), np.float16)
-    caches, gen = [{} for _ in range(L)], torch.Generator().manual_seed(seed)
-    ids, pos = torch.from_numpy(prompts.astype(np.int64)), 0
+    caches, gen = [{} for _ in range(L)], torch.Generator().manual_seed(seed)   # sampling on the CPU: same tokens on any device
+    dev = next(model.parameters()).device
+    ids, pos = torch.from_numpy(prompts.astype(np.int64)).to(dev), 0
     for p in range(P):
         logits, _, recs = model(ids, caches, pos, record=True)
         pos += ids.shape[1]
         h = torch.stack([unit_rms(x) for x, _ in recs], 1)                      # [R, L, T, d]
-        counts[:, p] = torch.stack([F.one_hot(i, E).sum((1, 2)) for _, i in recs], 1).numpy()
+        counts[:, p] = torch.stack([F.one_hot(i, E).sum((1, 2)) for _, i in recs], 1).cpu().numpy()
         for d in range(1, max_lookahead + 1):
             for r in range(R):
                 probs, _ = gate_lookahead(h[r, :L - d], W[d:])
                 val, top = probs.topk(K, -1)
-                la_idx[r, p, d - 1, :L - d], la_prob[r, p, d - 1, :L - d] = top.numpy(), val.numpy()
-        ids = torch.multinomial((logits[:, -1] / temperature).softmax(-1), 1, generator=gen)
+                la_idx[r, p, d - 1, :L - d], la_prob[r, p, d - 1, :L - d] = top.cpu().numpy(), val.cpu().numpy()
+        ids = torch.multinomial((logits[:, -1].float() / temperature).softmax(-1).cpu(), 1, generator=gen).to(dev)
     meta = {"source": "TinyMoE", "config": asdict(cfg), "prompt_len": int(prompts.shape[1]),
             "decode_steps": decode_steps, "temperature": temperature, "sample_seed": seed}
     return Trace(counts, la_idx, la_prob, cfg.top_k, meta)
@@ -449,6 +488,106 @@ def synthetic_trace(n_requests: int = 2, n_decode: int = 32, n_layers: int = 8, 
     meta = {"source": "synthetic_cyclic", "period": period, "noise": noise, "seed": seed}
     return Trace(counts, la_idx, la_prob, top_k, meta)
 
+# %% ../../nbs/serving/spec_md.ipynb #a1b2c3d4
+ROUTING_LOG_FORMAT = "moe-routing-log/1"
+
+
+def _as_id_array(x: object, name: str) -> np.ndarray:
+    """An integer array of expert ids (a float array of whole numbers is accepted)."""
+    a = np.asarray(x)
+    if a.dtype.kind == "f":
+        if not np.isfinite(a).all() or (a != np.round(a)).any():
+            raise ValueError(f"{name}: expected integer expert ids, got non-integer or NaN entries")
+        a = a.astype(np.int64)
+    elif a.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected integer expert ids, got dtype {a.dtype}")
+    return a
+
+
+def trace_from_routing_log(experts: Sequence[np.ndarray], n_experts: int, prompt_lens: int | Sequence[int], *,
+                           decode_steps: int | None = None, lookahead_probs: Sequence[np.ndarray] | None = None,
+                           meta: dict | None = None) -> Trace:
+    """A Trace from plain per-request routing logs: `experts[r]` [tokens, layers, k] int ids, prompt tokens first
+    (one prefill pass), then one decode pass per token. `lookahead_probs[r]` [tokens, D, layers, E] float (optional):
+    layer l+d's router probabilities at layer l, token-averaged per pass like `record_traces`; without it the trace has
+    no lookahead (D = 0) and can only be simulated with prefetch=None. `decode_steps` truncates every request to
+    that many decode tokens (requests must otherwise have equal lengths)."""
+    if isinstance(n_experts, bool) or not isinstance(n_experts, numbers.Integral) or n_experts < 1:
+        raise ValueError(f"n_experts={n_experts!r}: expected a positive int")
+    E = int(n_experts)
+    logs = [_as_id_array(x, f"experts[{r}]") for r, x in enumerate(experts)]
+    if not logs:
+        raise ValueError("experts: expected at least one request's routing log")
+    R = len(logs)
+    plens = [prompt_lens] * R if isinstance(prompt_lens, numbers.Integral) else list(prompt_lens)
+    if len(plens) != R:
+        raise ValueError(f"prompt_lens: {len(plens)} values for {R} requests")
+    L, k = logs[0].shape[1:] if logs[0].ndim == 3 else (None, None)
+    for r, (a, n) in enumerate(zip(logs, plens)):
+        if a.ndim != 3 or a.shape[1:] != (L, k):
+            raise ValueError(f"experts[{r}]: expected [tokens, layers={L}, k={k}] like request 0, got shape {a.shape}")
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= a.shape[0]:
+            raise ValueError(f"prompt_lens[{r}]={n!r}: expected an int in 1..{a.shape[0]} (the request's tokens)")
+        if a.size and (a.min() < 0 or a.max() >= E):
+            raise ValueError(f"experts[{r}]: expert id {int(a.max() if a.max() >= E else a.min())}; expected ids in 0..{E - 1} (n_experts={E})")
+    n_dec = [a.shape[0] - n for a, n in zip(logs, plens)]
+    if decode_steps is None:
+        if len(set(n_dec)) > 1:
+            raise ValueError(f"experts: requests decode {sorted(set(n_dec))} tokens; pass decode_steps= to truncate to a common length")
+        decode_steps = n_dec[0]
+    elif isinstance(decode_steps, bool) or not isinstance(decode_steps, numbers.Integral) or not 0 <= decode_steps <= min(n_dec):
+        raise ValueError(f"decode_steps={decode_steps!r}: expected an int in 0..{min(n_dec)} (the shortest request's decode tokens)")
+    P = int(decode_steps) + 1
+    counts = np.zeros((R, P, L, E), np.uint16 if max(plens) * k < 2 ** 16 else np.uint32)
+    for r, (a, n) in enumerate(zip(logs, plens)):
+        passes = np.concatenate([np.zeros(n, np.int64), np.arange(1, P)])       # token -> pass
+        tok = a[: n + P - 1]
+        np.add.at(counts[r], (passes[:, None, None], np.arange(L)[None, :, None], tok), 1)
+    K, id_dtype = min(LOOKAHEAD_TOP, E), np.uint8 if E <= 256 else np.uint16
+    if lookahead_probs is None:
+        la_idx, la_prob = np.zeros((R, P, 0, L, K), id_dtype), np.zeros((R, P, 0, L, K), np.float16)
+    else:
+        if len(lookahead_probs) != R:
+            raise ValueError(f"lookahead_probs: {len(lookahead_probs)} arrays for {R} requests")
+        D = np.asarray(lookahead_probs[0]).shape[1] if np.ndim(lookahead_probs[0]) == 4 else None
+        la_idx, la_prob = np.zeros((R, P, D or 0, L, K), id_dtype), np.zeros((R, P, D or 0, L, K), np.float16)
+        for r, (q, a, n) in enumerate(zip(lookahead_probs, logs, plens)):
+            q = np.asarray(q, np.float32)
+            if q.shape != (a.shape[0], D, L, E):
+                raise ValueError(f"lookahead_probs[{r}]: expected [tokens={a.shape[0]}, D={D}, layers={L}, E={E}], got {q.shape}")
+            if not np.isfinite(q).all():
+                raise ValueError(f"lookahead_probs[{r}]: NaN/inf entries; expected probabilities")
+            agg = np.stack([q[:n].mean(0)] + [q[n + i] for i in range(P - 1)])  # [P, D, L, E] token mean per pass
+            for d in range(1, D + 1):
+                agg[:, d - 1, L - d:] = 0.0                                     # layer l + d does not exist
+            top = np.argsort(-agg, axis=-1, kind="stable")[..., :K]
+            la_idx[r], la_prob[r] = top, np.take_along_axis(agg, top, -1)
+    info = {"source": "routing_log", "prompt_lens": [int(n) for n in plens], "decode_steps": int(decode_steps), **(meta or {})}
+    return Trace(counts, la_idx, la_prob, int(k), info)
+
+
+def write_routing_log(path: Path | str, experts: Sequence[np.ndarray], n_experts: int, prompt_lens: Sequence[int]) -> Path:
+    """Write routing logs as JSON Lines (a header line, then one line per request), atomically."""
+    lines = [json.dumps({"format": ROUTING_LOG_FORMAT, "n_experts": int(n_experts)})]
+    for r, (a, n) in enumerate(zip(experts, prompt_lens)):
+        lines.append(json.dumps({"request": r, "prompt_len": int(n), "experts": _as_id_array(a, f"experts[{r}]").tolist()}))
+    path = Path(path)
+    _atomic_save("\n".join(lines) + "\n", path, lambda text, tmp: Path(tmp).write_text(text))
+    return path
+
+
+def read_routing_log(path: Path | str, **kwargs) -> Trace:
+    """A Trace from a JSON Lines routing log written by `write_routing_log` (kwargs go to `trace_from_routing_log`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such routing log")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows or rows[0].get("format") != ROUTING_LOG_FORMAT:
+        raise ValueError(f"{path}: expected a first line {{'format': {ROUTING_LOG_FORMAT!r}, 'n_experts': E}}")
+    reqs = rows[1:]
+    return trace_from_routing_log([np.array(q["experts"]) for q in reqs], rows[0]["n_experts"],
+                                  [q["prompt_len"] for q in reqs], meta={"file": path.name}, **kwargs)
+
 # %% ../../nbs/serving/spec_md.ipynb #ab90b2c1
 PREFETCH_MODES = ("fixed", "dynamic")
 
@@ -460,18 +599,43 @@ class PrefetchPlan:
     sets: list
     name: str = ""
 
+    def __post_init__(self):
+        if isinstance(self.lookahead, bool) or not isinstance(self.lookahead, numbers.Integral) or self.lookahead < 1:
+            raise ValueError(f"PrefetchPlan.lookahead={self.lookahead!r}: expected an int >= 1")
+        object.__setattr__(self, "lookahead", int(self.lookahead))
+
     def __len__(self) -> int:
         return len(self.sets)
 
     def __getitem__(self, p: int) -> list:
         return self.sets[p]
 
+    def check(self, trace: Trace) -> None:
+        """Raise ValueError unless this plan fits `trace`: one entry per pass and layer, expert ids < E, no target past the last layer."""
+        L, E, d = trace.n_layers, trace.n_experts, self.lookahead
+        if d >= L:
+            raise ValueError(f"prefetch.lookahead={d}: the trace has {L} layers, so layer l + {d} never exists; expected 1..{L - 1}")
+        if len(self.sets) != trace.n_passes:
+            raise ValueError(f"prefetch: plan covers {len(self.sets)} passes, the trace has {trace.n_passes}")
+        for p, ps in enumerate(self.sets):
+            if len(ps) != L:
+                raise ValueError(f"prefetch.sets[{p}]: {len(ps)} layer entries; expected {L} (one per source layer)")
+            for l, s in enumerate(ps):
+                if s and l + d >= L:
+                    raise ValueError(f"prefetch.sets[{p}][{l}]={tuple(s)}: targets layer {l + d} of a {L}-layer trace; expected ()")
+                if any(not 0 <= e < E for e in s):
+                    raise ValueError(f"prefetch.sets[{p}][{l}]={tuple(s)}: expected expert ids in 0..{E - 1}")
+
 
 def predict_prefetch(trace: Trace, lookahead: int, mode: str = "fixed", k: int = 4, tau: float = 0.05,
                      k_max: int = 8) -> PrefetchPlan:
     """Gate-lookahead prefetch plan: top-`k` ("fixed") or probability >= `tau`, at most `k_max` ("dynamic")."""
-    if not isinstance(lookahead, int) or lookahead < 1:
+    if isinstance(lookahead, bool) or not isinstance(lookahead, numbers.Integral) or lookahead < 1:
         raise ValueError(f"lookahead={lookahead!r}: expected an int >= 1")
+    lookahead = int(lookahead)
+    if trace.max_lookahead == 0:
+        raise ValueError("trace: has no lookahead probabilities (e.g. converted from a routing log without them); "
+                         "simulate it with prefetch=None, or pass lookahead_probs= to trace_from_routing_log")
     if lookahead > trace.max_lookahead:
         raise ValueError(f"lookahead={lookahead}: this trace stores lookahead probabilities up to d={trace.max_lookahead}")
     if mode not in PREFETCH_MODES:
@@ -486,10 +650,18 @@ def predict_prefetch(trace: Trace, lookahead: int, mode: str = "fixed", k: int =
     idx = trace.la_idx[:, :, lookahead - 1, :, :n].reshape(trace.n_passes, L, n)
     keep = np.ones(idx.shape, bool) if mode == "fixed" else \
         trace.la_prob[:, :, lookahead - 1, :, :n].reshape(trace.n_passes, L, n).astype(np.float32) >= np.float32(tau)
-    keep[:, L - lookahead:] = False
+    keep[:, max(L - lookahead, 0):] = False
     sets = [[tuple(i[m].tolist()) for i, m in zip(pi, pk)] for pi, pk in zip(idx, keep)]
     name = f"fixed k={k} d={lookahead}" if mode == "fixed" else f"dynamic tau={tau:g} kmax={k_max} d={lookahead}"
     return PrefetchPlan(lookahead, sets, name)
+
+
+def oracle_prefetch(trace: Trace, lookahead: int) -> PrefetchPlan:
+    """The perfect plan: at layer l prefetch exactly the experts layer l + lookahead will route to (a positive control)."""
+    plan = PrefetchPlan(lookahead, [], f"oracle d={lookahead}")
+    L = trace.n_layers
+    sets = [[ps[l + plan.lookahead] if l + plan.lookahead < L else () for l in range(L)] for ps in trace.expert_sets()]
+    return PrefetchPlan(plan.lookahead, sets, plan.name)
 
 
 def lookahead_accuracy(trace: Trace, plan: PrefetchPlan) -> dict[str, float]:
@@ -513,12 +685,17 @@ class CachePolicy:
     name = "base"
 
     def __init__(self, capacity: int):
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
+            raise TypeError(f"capacity={capacity!r}: expected an int >= 0 (expert slots), got {type(capacity).__name__}")
+        if capacity < 0:
             raise ValueError(f"capacity={capacity!r}: expected an int >= 0 (expert slots)")
-        self.capacity = capacity
+        self.capacity = int(capacity)
 
     def begin_pass(self) -> None:
         """A new forward pass starts."""
+
+    def begin_layer(self, layer: int) -> None:
+        """Layer `layer` of the current pass starts (before its prefetches and accesses)."""
 
     def lookup(self, key: int) -> bool:
         """Touch `key` if resident; return whether it was."""
@@ -672,6 +849,28 @@ class LeastStaleCache(CachePolicy):
     def _add(self, key: int) -> None:
         self.current[key] = None
 
+
+class LayerAwareLeastStaleCache(LeastStaleCache):
+    """Least-Stale with layer-aware staleness (the other reading): an expert is stale once its layer has run in this pass."""
+    name = "least_stale_layer"
+
+    def __init__(self, capacity: int, n_experts: int):
+        super().__init__(capacity)
+        if isinstance(n_experts, bool) or not isinstance(n_experts, numbers.Integral) or n_experts < 1:
+            raise ValueError(f"n_experts={n_experts!r}: expected a positive int (keys are layer * n_experts + expert)")
+        self.n_experts = int(n_experts)
+
+    def begin_pass(self) -> None:
+        # every resident expert's layer is ahead again: all current, the previous pass's stale ones first (older)
+        self.stale.update(self.current)
+        self.current, self.stale = self.stale, OrderedDict()
+
+    def begin_layer(self, layer: int) -> None:
+        done = [k for k in self.current if k // self.n_experts < layer]   # their layer already ran this pass
+        for k in done:
+            del self.current[k]
+            self.stale[k] = None
+
 # %% ../../nbs/serving/spec_md.ipynb #21dc30c0
 class BeladyCache(CachePolicy):
     """Belady's MIN for demand loading: evicts the resident key whose next access in `future` is farthest."""
@@ -712,27 +911,37 @@ class BeladyCache(CachePolicy):
     def _add(self, key: int) -> None: self.res[key] = self.next_use[self.t - 1]
 
 
-POLICIES: dict[str, type] = {c.name: c for c in (LRUCache, LFUCache, FIFOCache, LFRUCache, LeastStaleCache, BeladyCache)}
+POLICIES: dict[str, type] = {c.name: c for c in (LRUCache, LFUCache, FIFOCache, LFRUCache, LeastStaleCache, BeladyCache,
+                                                 LayerAwareLeastStaleCache)}
 
 
-def make_policy(name: str, capacity: int, future: Sequence[int] | None = None) -> CachePolicy:
-    """A policy by name (one of POLICIES); Belady needs the `future` access sequence."""
+def make_policy(name: str, capacity: int, future: Sequence[int] | None = None, n_experts: int | None = None) -> CachePolicy:
+    """A policy by name (one of POLICIES); Belady needs the `future` access sequence, least_stale_layer `n_experts`."""
     if name not in POLICIES:
         raise ValueError(f"policy={name!r}: expected one of {sorted(POLICIES)}")
     if name == "belady":
         if future is None:
             raise ValueError("policy='belady' needs future= (the access sequence)")
         return BeladyCache(capacity, future)
+    if name == "least_stale_layer":
+        if n_experts is None:
+            raise ValueError("policy='least_stale_layer' needs n_experts= (to read a key's layer)")
+        return LayerAwareLeastStaleCache(capacity, n_experts)
     return POLICIES[name](capacity)
 
 # %% ../../nbs/serving/spec_md.ipynb #e182022f
 OUTCOMES = ("hit", "compulsory", "capacity", "collision", "late")
 OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2  # one OLMoE-1B-7B expert in bf16: gate, up, down projections
+_UNIT_FLOORS = {"expert_bytes": (1e3, "bytes (12.6 MB = 12.6e6)"), "bw_bytes_s": (1e6, "bytes per second (16 GB/s = 16e9)"),
+                "flops_per_s": (1e6, "FLOP per second (100 TFLOP/s = 1e14)")}
 
 
 @dataclass(frozen=True)
 class HardwareModel:
-    """Copy engine at `bw_bytes_s` for experts of `expert_bytes`; compute from FLOPs at `flops_per_s`, or from `measured` lines."""
+    """Copy engine at `bw_bytes_s` for experts of `expert_bytes`; compute from FLOPs at `flops_per_s`, or from `measured` lines.
+
+    Values below 1 kB, 1 MB/s or 1 MFLOP/s are taken for a unit mistake (GB/s passed as B/s) and raise; pass
+    `check_units=False` for abstract units (hand-worked examples)."""
     expert_bytes: float
     bw_bytes_s: float
     flops_per_s: float
@@ -740,12 +949,25 @@ class HardwareModel:
     d_expert: int = 1024
     measured: dict | None = None   # dense/expert fixed and per-token seconds (see measure_cpu_times)
     name: str = ""
+    check_units: bool = field(default=True, compare=False)
 
     def __post_init__(self):
         for key in ("expert_bytes", "bw_bytes_s", "flops_per_s"):
             val = getattr(self, key)
-            if not isinstance(val, (int, float)) or not val > 0 or not math.isfinite(val):
+            if isinstance(val, bool) or not isinstance(val, numbers.Real) or not val > 0 or not math.isfinite(val):
                 raise ValueError(f"HardwareModel.{key}={val!r}: expected a positive finite number")
+        for key in ("bw_bytes_s", "expert_bytes", "flops_per_s"):
+            val, (floor, unit) = getattr(self, key), _UNIT_FLOORS[key]
+            if self.check_units and val < floor and not (key == "flops_per_s" and self.measured):
+                raise ValueError(f"HardwareModel.{key}={val!r}: implausibly small, expected {unit} — a unit mistake? "
+                                 "(olmoe_hardware takes GB/s; pass check_units=False for abstract units)")
+        if self.measured is not None:
+            need = {"dense_fixed_s", "dense_per_token_s", "expert_fixed_s", "expert_per_token_s"}
+            if not isinstance(self.measured, dict) or need - set(self.measured):
+                raise ValueError(f"HardwareModel.measured: expected a dict with {sorted(need)}")
+            bad = {k: v for k, v in self.measured.items() if k in need and not (math.isfinite(v) and v >= 0)}
+            if bad:
+                raise ValueError(f"HardwareModel.measured: {bad}: expected finite seconds >= 0")
 
     @property
     def transfer_s(self) -> float:
@@ -769,6 +991,8 @@ def olmoe_hardware(bw_gbs: float, tflops: float = 100.0) -> HardwareModel:
     """OLMoE-1B-7B-sized experts (12.6 MB bf16) over a `bw_gbs` GB/s link, compute at `tflops` TFLOP/s."""
     if not bw_gbs > 0:
         raise ValueError(f"bw_gbs={bw_gbs!r}: expected a positive bandwidth in GB/s")
+    if bw_gbs > 1e4:
+        raise ValueError(f"bw_gbs={bw_gbs:g}: more than 10 TB/s — bytes/s passed where GB/s is expected? (16 GB/s = 16)")
     return HardwareModel(OLMOE_EXPERT_BYTES, bw_gbs * 1e9, tflops * 1e12, name=f"OLMoE-size, {bw_gbs:g} GB/s")
 
 
@@ -857,6 +1081,9 @@ class SimResult:
         return out
 
 # %% ../../nbs/serving/spec_md.ipynb #cdf17721
+PREFETCH_AT = ("before", "after")  # prefetches for layer l+d issued before layer l's own accesses, or after them
+
+
 def _pass_views(trace: Trace) -> tuple[list, list, list]:
     """Per flattened pass: routed sets per layer, the token counts aligned with them, and tokens in the pass (cached)."""
     if getattr(trace, "_views", None) is None:
@@ -873,26 +1100,34 @@ def access_sequence(trace: Trace) -> list[int]:
     return [l * E + e for ps in _pass_views(trace)[0] for l, s in enumerate(ps) for e in s]
 
 
-def _simulate_counts(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy, res: SimResult, track: bool) -> bytearray:
+def _simulate_counts(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy, res: SimResult, track: bool,
+                     prefetch_at: str = "before") -> bytearray:
     """Count-only replay: instantaneous transfers."""
     sets = _pass_views(trace)[0]
     L, E, d = trace.n_layers, trace.n_experts, plan.lookahead if plan else 0
-    lookup, insert, resident = cache.lookup, cache.insert, cache.__contains__
+    lookup, insert, resident, begin_layer = cache.lookup, cache.insert, cache.__contains__, cache.begin_layer
     seen, pend, out = set(), set(), bytearray()
+    ins: set = set()                      # inserted (prefetched or loaded) during this pass
+
+    def prefetch(l: int, experts: tuple) -> None:
+        for e in experts:
+            key = (l + d) * E + e
+            if resident(key):
+                lookup(key); res.prefetch_touches += 1
+            elif insert(key) != key:
+                res.prefetch_loads += 1; ins.add(key); pend.add(key)
+            else:
+                res.prefetch_dropped += 1
+
+    after = prefetch_at == "after"
     for p, ps in enumerate(sets):
         cache.begin_pass()
-        ins = set()                       # inserted (prefetched or loaded) during this pass
+        ins.clear()
         pre = plan.sets[p] if plan else None
         for l in range(L):
-            if pre and pre[l]:
-                for e in pre[l]:
-                    key = (l + d) * E + e
-                    if resident(key):
-                        lookup(key); res.prefetch_touches += 1
-                    elif insert(key) != key:
-                        res.prefetch_loads += 1; ins.add(key); pend.add(key)
-                    else:
-                        res.prefetch_dropped += 1
+            begin_layer(l)
+            if pre and pre[l] and not after:
+                prefetch(l, pre[l])
             for e in ps[l]:
                 key = l * E + e
                 if lookup(key):
@@ -903,13 +1138,15 @@ def _simulate_counts(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy
                     out.append(3 if key in ins else 1 if key not in seen else 2)
                     insert(key); ins.add(key); pend.discard(key); res.demand_loads += 1
                 seen.add(key)
+            if pre and pre[l] and after:
+                prefetch(l, pre[l])
             if track:
                 res.residency.append(sorted(cache))
     return out
 
 # %% ../../nbs/serving/spec_md.ipynb #bb58c0e1
 def _simulate_timed(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy, hw: HardwareModel,
-                    res: SimResult, track: bool) -> bytearray:
+                    res: SimResult, track: bool, prefetch_at: str = "before") -> bytearray:
     """Discrete-event replay: one compute stream, one FIFO copy engine, demand loads jump the queue."""
     sets, toks, ntok = _pass_views(trace)
     L, E, P, d = trace.n_layers, trace.n_experts, trace.passes_per_request, plan.lookahead if plan else 0
@@ -938,6 +1175,15 @@ def _simulate_timed(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy,
             eng = ready[key] = start + tx
             ins.add(key); pend.add(key); res.prefetch_loads += 1
 
+    def issue(l: int, experts: tuple) -> None:
+        for e in experts:
+            key = (l + d) * E + e
+            if resident(key):
+                lookup(key); res.prefetch_touches += 1
+            elif key not in queued:
+                queue.append((key, l + d, now)); queued.add(key)
+
+    after = prefetch_at == "after"
     for p, ps in enumerate(sets):
         t_pass = now
         cache.begin_pass()
@@ -946,16 +1192,12 @@ def _simulate_timed(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy,
         pre = plan.sets[p] if plan else None
         dense = hw.dense_time(ntok[p])
         for l in range(L):
+            cache.begin_layer(l)
             now += dense
             if queue:
                 drain(l)
-            if pre and pre[l]:
-                for e in pre[l]:
-                    key = (l + d) * E + e
-                    if resident(key):
-                        lookup(key); res.prefetch_touches += 1
-                    elif key not in queued:
-                        queue.append((key, l + d, now)); queued.add(key)
+            if pre and pre[l] and not after:
+                issue(l, pre[l])
             for e, n in zip(ps[l], toks[p][l]):
                 key = l * E + e
                 if queue:
@@ -982,6 +1224,8 @@ def _simulate_timed(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy,
                 seen.add(key)
                 cur, cur_end = key, now + expert_time(n)
                 now = cur_end
+            if pre and pre[l] and after:
+                issue(l, pre[l])
             if track:
                 res.residency.append(sorted(cache))
         (res.ttft_s if p % P == 0 else res.tpot_s).append(now - t_pass)
@@ -990,27 +1234,29 @@ def _simulate_timed(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy,
 
 # %% ../../nbs/serving/spec_md.ipynb #f0871e3a
 def simulate(trace: Trace, prefetch: PrefetchPlan | None, policy: str, capacity: int,
-             hw: HardwareModel | None = None, *, track: bool = False) -> SimResult:
-    """Replay `trace` with a prefetch plan (or None) and an eviction policy over `capacity` expert slots."""
+             hw: HardwareModel | None = None, *, track: bool = False, prefetch_at: str = "before") -> SimResult:
+    """Replay `trace` with a prefetch plan (or None) and an eviction policy over `capacity` expert slots.
+
+    `prefetch_at`: the prefetches for layer l + d are issued before layer l's own accesses ("before", the spec's
+    reading: nothing of layer l is pinned yet) or after them ("after")."""
     if not isinstance(trace, Trace):
         raise TypeError(f"trace: expected a Trace, got {type(trace).__name__}")
+    if prefetch_at not in PREFETCH_AT:
+        raise ValueError(f"prefetch_at={prefetch_at!r}: expected one of {PREFETCH_AT}")
     if prefetch is not None:
         if not isinstance(prefetch, PrefetchPlan):
             raise TypeError(f"prefetch: expected a PrefetchPlan from predict_prefetch or None, got {type(prefetch).__name__}")
-        if len(prefetch) != trace.n_passes:
-            raise ValueError(f"prefetch: plan covers {len(prefetch)} passes, the trace has {trace.n_passes}")
-        if prefetch.lookahead < 1:
-            raise ValueError(f"prefetch.lookahead={prefetch.lookahead}: expected >= 1")
+        prefetch.check(trace)
         if policy == "belady":
             raise ValueError("policy='belady' is the demand-loading optimum: use prefetch=None")
     if hw is not None and not isinstance(hw, HardwareModel):
         raise TypeError(f"hw: expected a HardwareModel or None, got {type(hw).__name__}")
     future = access_sequence(trace) if policy == "belady" else None
-    cache = make_policy(policy, capacity, future)
-    res = SimResult(policy, capacity, prefetch.name if prefetch is not None else "none",
+    cache = make_policy(policy, capacity, future, n_experts=trace.n_experts)
+    res = SimResult(policy, cache.capacity, prefetch.name if prefetch is not None else "none",
                     residency=[] if track else None)
-    out = (_simulate_counts(trace, prefetch, cache, res, track) if hw is None
-           else _simulate_timed(trace, prefetch, cache, hw, res, track))
+    out = (_simulate_counts(trace, prefetch, cache, res, track, prefetch_at) if hw is None
+           else _simulate_timed(trace, prefetch, cache, hw, res, track, prefetch_at))
     res.outcomes = np.frombuffer(bytes(out), np.int8).copy()
     counts = np.bincount(res.outcomes, minlength=len(OUTCOMES))
     res.accesses = len(res.outcomes)
@@ -1020,7 +1266,7 @@ def simulate(trace: Trace, prefetch: PrefetchPlan | None, policy: str, capacity:
 # %% ../../nbs/serving/spec_md.ipynb #4bca11ab
 def capacity_slots(pct: float, n_layers: int, n_experts: int) -> int:
     """Whole expert slots for a cache of `pct` percent of all L*E experts (round half up)."""
-    if not isinstance(pct, (int, float)) or not 0 <= pct <= 100:
+    if isinstance(pct, bool) or not isinstance(pct, numbers.Real) or not 0 <= pct <= 100:
         raise ValueError(f"capacity pct={pct!r}: expected a number in [0, 100]")
     return int(math.floor(pct / 100 * n_layers * n_experts + 0.5))
 
@@ -1084,7 +1330,7 @@ def gather_slot_pool(moe: MoEFFN, experts: Sequence[int], capacity: int | None =
     E = moe.w1.shape[0]
     slot_W1 = moe.w1.new_zeros(capacity, *moe.w1.shape[1:])
     slot_W2 = moe.w2.new_zeros(capacity, *moe.w2.shape[1:])
-    slot_of = torch.full((E,), -1, dtype=torch.long)
+    slot_of = torch.full((E,), -1, dtype=torch.long, device=moe.w1.device)
     with torch.no_grad():
         for s, e in enumerate(experts):
             slot_W1[s], slot_W2[s], slot_of[e] = moe.w1[e], moe.w2[e], s
