@@ -6,16 +6,22 @@ collisions on the synthetic cyclic trace with d = 2" is not restored as a test: 
 policies but an outcome of one trace (at 26 slots Least-Stale has more collisions than LRU on all three seeds:
 172 vs 167, 168 vs 159, 172 vs 165 with the dynamic prefetcher), so asserting it would encode a claim as a test.
 The mechanism itself is tested by hand-computed cases (test_least_stale_keeps_pending_prefetch)."""
+import hashlib
 import json
 import math
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
+from kimi_papers.core.nn import stdlib_corpus
 from kimi_papers.serving.spec_md import (
     BeladyCache, FIFOCache, HardwareModel, LayerAwareLeastStaleCache, LeastStaleCache, LFRUCache, LFUCache, LRUCache,
     PrefetchPlan, Trace, access_sequence, capacity_slots, load_trace, make_policy, olmoe_hardware, oracle_prefetch,
-    predict_prefetch, read_routing_log, save_trace, simulate, synthetic_trace, trace_from_routing_log, write_routing_log)
+    predict_prefetch, read_routing_log, record_traces, save_trace, simulate, synthetic_trace, trace_from_routing_log, trace_model,
+    trace_model_config, train_tiny_moe, write_routing_log)
 
 ONLINE = ("lru", "lfu", "fifo", "lfru", "least_stale")
 
@@ -291,3 +297,59 @@ def test_bad_input(syn):
         capacity_slots(120, 8, 32)
     with pytest.raises(ValueError, match="n_experts"):
         make_policy("least_stale_layer", 3)
+
+
+# ---- the trace model on core.nn reproduces spec_md's own pre-move TinyMoE ------------------------------------------
+# tests/fixtures/spec_md_tinymoe_ref.npz was recorded with the TinyMoE / train_tiny_moe this module defined before it
+# moved onto kimi_papers.core.nn (the same seeds and inputs as below); it holds SHA-256s of the weights and the outputs.
+REF = Path(__file__).parent / "fixtures" / "spec_md_tinymoe_ref.npz"
+
+
+def _state_sha(model) -> str:
+    return hashlib.sha256(b"".join(v.numpy().tobytes() for v in model.state_dict().values())).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    with np.load(REF) as z:
+        return {k: z[k] for k in z.files}
+
+
+def test_trace_model_reproduces_pre_move_tinymoe(ref):
+    torch.manual_seed(0)
+    model = trace_model().eval()
+    assert _state_sha(model) == str(ref["init_sha"])                      # bit-identical initial weights
+    ids = torch.from_numpy(ref["ids"].astype(np.int64))
+    with torch.no_grad():
+        logits, caps = model(ids, capture=True)
+        cache = model.new_cache()
+        dec = [model(ids[:, :20], cache, 0)[:, -1]] + [model(ids[:, t:t + 1], cache, t)[:, -1] for t in range(20, 24)]
+    routing = torch.stack([c.routing.idx.view(2, 24, 4) for c in caps]).numpy()
+    assert np.array_equal(routing, ref["routing"])
+    np.testing.assert_allclose(logits[:, ::3].numpy(), ref["logits"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(torch.stack(dec, 1).numpy(), ref["decode_logits"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(caps[-1].residual[:, -4:].numpy(), ref["residual_last"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(caps[0].routing.probs.numpy(), ref["router_probs_l0"], rtol=0, atol=1e-7)
+    tr = record_traces(model, ref["prompts"], 5, seed=0)                   # prefill + 5 sampled decode passes
+    assert np.array_equal(tr.counts, ref["counts"]) and np.array_equal(tr.la_idx, ref["la_idx"])
+    assert np.array_equal(tr.la_prob, ref["la_prob"])
+
+
+def test_train_tiny_moe_reproduces_pre_move_training(ref):
+    text = stdlib_corpus(200_000).train
+    cfg = trace_model_config(n_layers=3, n_experts=8, top_k=2, d_model=64, d_expert=32, n_heads=4, max_len=128)
+    model, log = train_tiny_moe(cfg, text, steps=3, batch=2, seq_len=32, warmup=2, seed=0, log_every=1)
+    sd = model.state_dict()
+    np.testing.assert_allclose([v.double().sum().item() for v in sd.values()], ref["trained_sums"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose([v.double().abs().sum().item() for v in sd.values()], ref["trained_abs_sums"], rtol=1e-6)
+    assert [r["ce"] for r in log] == list(ref["trained_ce"])
+    assert _state_sha(model) == str(ref["trained_sha"])                   # and, on this CPU, to the bit
+
+
+def test_committed_traces_start_as_this_code_trains_them():
+    """The committed seed-0 trace's logged first training step is what train_tiny_moe logs at step 0 on it."""
+    tr = load_trace(Path(__file__).parents[1] / "data" / "traces" / "spec_md" / "seed0.npz")
+    assert tr.meta["config"].items() <= asdict(trace_model_config()).items()
+    corpus = stdlib_corpus()
+    _, log = train_tiny_moe(trace_model_config(), corpus.train, steps=1, batch=8, seq_len=256, seed=0, log_every=1)
+    assert log[0]["ce"] == tr.meta["train_log"][0]["ce"] and log[0]["load_balance"] == tr.meta["train_log"][0]["load_balance"]
