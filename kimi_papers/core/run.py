@@ -8,89 +8,36 @@ from __future__ import annotations
 import argparse
 import ast
 import builtins
-import contextlib
 import dataclasses
 import datetime as dt
-import difflib
 import json
-import logging
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
-from .config import (SettingsError, check_like, check_profile, ledger_dir, project_root, runs_dir,
-                                     settings)
+from .config import SettingsError, check_profile, ledger_dir, project_root, runs_dir, settings
 from .board import board
 from .ledger import adopt, atomic_write_text, load_results
+from .runner import PAPER_FOLDERS, Parameter, RunResult, Stopper, Workbook, alive, check_params
+from .runner import failed_cell, kill_tree, mark_incomplete, notebook_parameters, papermill_warnings
+from .runner import process_tree, run_env, run_notebook, select, workbooks
 
 # %% auto #0
-__all__ = ['PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'parse_value', 'parse_param', 'parse_params', 'Parameter',
-           'notebook_parameters', 'check_params', 'RunResult', 'failed_cell', 'papermill_warnings', 'mark_incomplete',
-           'run_env', 'run_notebook', 'process_tree', 'alive', 'kill_tree', 'Stopper', 'RunInterrupted',
-           'interrupted_line', 'point_latest', 'write_manifest', 'run_many', 'adopt_executed', 'summary', 'last_runs',
-           'cmd_list', 'run_board', 'cmd_run', 'cmd_board', 'parser', 'main']
+__all__ = ['parse_value', 'parse_param', 'parse_params', 'point_latest', 'write_manifest', 'last_runs', 'RunInterrupted',
+           'interrupted_line', 'run_many', 'adopt_executed', 'summary', 'cmd_list', 'run_board', 'cmd_run', 'cmd_board',
+           'parser', 'main', 'PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'Parameter', 'notebook_parameters',
+           'check_params', 'RunResult', 'failed_cell', 'papermill_warnings', 'mark_incomplete', 'run_env',
+           'run_notebook', 'process_tree', 'alive', 'kill_tree', 'Stopper']
 
-# %% ../../nbs/core/run.ipynb #2dc095b1
-PAPER_FOLDERS = ("rl", "architectures", "serving", "decoding", "agents", "evaluation", "safety", "science")
-
-
-@dataclass(frozen=True)
-class Workbook:
-    """One notebook of the collection."""
-    slug: str    # file stem, e.g. "spec_md"; core notebooks are "core.<name>"
-    folder: str  # "serving", "core", "" for the index
-    path: Path
-
-    @property
-    def title(self) -> str:
-        """The notebook's first markdown heading."""
-        nb = json.loads(self.path.read_text())
-        for c in nb.get("cells", []):
-            if c.get("cell_type") == "markdown":
-                for line in "".join(c.get("source", "")).splitlines():
-                    if line.startswith("# "):
-                        return line[2:].strip()
-        return self.slug
-
-    @property
-    def is_paper(self) -> bool:
-        return self.folder in PAPER_FOLDERS
-
-
-def workbooks(root: Path | None = None) -> list[Workbook]:
-    """Every notebook under `nbs/`: the index, the core notebooks, then the papers by folder."""
-    nbs = (root or project_root()) / "nbs"
-    out = []
-    for p in sorted(nbs.rglob("*.ipynb")):
-        if ".ipynb_checkpoints" in p.parts:
-            continue
-        rel = p.relative_to(nbs)
-        folder = rel.parent.as_posix() if rel.parent != Path(".") else ""
-        slug = f"core.{p.stem}" if folder == "core" else p.stem
-        out.append(Workbook(slug, folder, p))
-    order = {"": 0, "core": 1}
-    return sorted(out, key=lambda w: (order.get(w.folder, 2), w.folder, w.slug))
-
-
-def select(slugs: Sequence[str], root: Path | None = None) -> list[Workbook]:
-    """The workbooks named by `slugs` (all when empty); an unknown slug raises listing the valid ones."""
-    books = workbooks(root)
-    if not slugs:
-        return books
-    by_slug = {w.slug: w for w in books}
-    unknown = [s for s in slugs if s not in by_slug]
-    if unknown:
-        raise ValueError(f"unknown slug {', '.join(map(repr, unknown))}; expected one of: {', '.join(by_slug)}")
-    return [by_slug[s] for s in dict.fromkeys(slugs)]
+# %% ../../nbs/core/run.ipynb #1c7e9a52
+_all_ = ["PAPER_FOLDERS", "Workbook", "workbooks", "select", "Parameter", "notebook_parameters", "check_params",
+         "RunResult", "failed_cell", "papermill_warnings", "mark_incomplete", "run_env", "run_notebook",
+         "process_tree", "alive", "kill_tree", "Stopper"]  # core.runner's names, importable from here too
 
 # %% ../../nbs/core/run.ipynb #f78361fe
 def _plain(v: Any) -> bool:
@@ -140,344 +87,7 @@ def parse_params(items: Sequence[str]) -> dict[str, Any]:
     """All `-p` items as a dict (later items win)."""
     return dict(parse_param(i) for i in items)
 
-# %% ../../nbs/core/run.ipynb #cc958e55
-@dataclass(frozen=True)
-class Parameter:
-    """One entry of a notebook's parameters cell, as papermill reads it."""
-    name: str
-    default: str           # the default's source text
-    type_name: str = ""    # the annotation or `# type:` comment, if any
-    help: str = ""
-
-    @property
-    def like(self) -> Any:
-        """A value whose kind a `-p` value must have (None: any kind)."""
-        ann = _annotation_like(self.type_name)
-        if ann is not _UNKNOWN:
-            return ann
-        try:
-            return ast.literal_eval(self.default)
-        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-            return None  # an expression: its kind is unknown here
-
-
-_UNKNOWN = object()
-_ANNOTATION_KINDS = {"int": 0, "float": 0.0, "str": "", "bool": False, "list": [], "tuple": [], "dict": {},
-                     "sequence": [], "mapping": {}}
-
-
-def _annotation_like(type_name: str) -> Any:
-    """`int` -> 0, `list[float]` -> [0.0], `Optional[int]` -> 0; `_UNKNOWN` when there is none or it is not understood."""
-    m = re.fullmatch(r"\s*(?:typing\.)?(\w+)\s*(?:\[\s*(\w+)[^\]]*\])?\s*", type_name or "")
-    if not m:
-        return _UNKNOWN
-    base, inner = m.group(1).lower(), (m.group(2) or "").lower()
-    if base == "optional":
-        base, inner = inner, ""
-    if base not in _ANNOTATION_KINDS:
-        return _UNKNOWN
-    like = _ANNOTATION_KINDS[base]
-    if isinstance(like, list) and inner in ("int", "float", "str", "bool"):
-        return [_ANNOTATION_KINDS[inner]]
-    return like
-
-
-def notebook_parameters(path: Path) -> dict[str, Parameter]:
-    """The parameters cell of the notebook at `path`, by name ({} when it has none)."""
-    cells = json.loads(Path(path).read_text()).get("cells", [])
-    cell = next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
-    if cell is None:
-        return {}
-    from papermill.translators import PythonTranslator  # the parser papermill itself uses to inject and warn
-    src = cell.get("source", "")
-    cell = {**cell, "source": "".join(src) if isinstance(src, list) else src}
-    log = logging.getLogger("papermill")
-    level, log.level = log.level, logging.ERROR  # its parse warnings are shown from the run itself (summary)
-    try:
-        params = PythonTranslator.inspect(cell)
-    finally:
-        log.setLevel(level)
-    return {p.name: Parameter(p.name, p.default, "" if p.inferred_type_name == "None" else p.inferred_type_name, p.help)
-            for p in params}
-
-
-def check_params(book: "Workbook", params: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
-    """`params` checked against `book`'s parameters cell, plus `profile` where the notebook declares one."""
-    declared = notebook_parameters(book.path)
-    for key, val in params.items():
-        if key not in declared:
-            close = difflib.get_close_matches(key, list(declared), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            names = ", ".join(declared) if declared else "none: it has no cell tagged 'parameters'"
-            raise ValueError(f"-p {key}: not a parameter of {book.slug}{hint}; its parameters: {names}")
-        p = declared[key]
-        if val is None and (p.default.strip() == "None" or p.type_name.lower().startswith("optional")):
-            continue  # None = "take it from the profile"
-        check_like(f"-p {key}", val, p.like, f" ({book.slug}'s default)")
-    out = {"profile": profile} if profile is not None and "profile" in declared else {}
-    return {**out, **params}
-
-# %% ../../nbs/core/run.ipynb #77c29787
-@dataclass
-class RunResult:
-    """The outcome of one notebook run."""
-    slug: str
-    ok: bool
-    seconds: float
-    budget_s: float
-    output: Path
-    error: str = ""
-    status: str = ""  # ok, failed, timed out, interrupted, not started
-    warnings: list[str] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.status = self.status or ("ok" if self.ok else "failed")
-
-    @property
-    def over_budget(self) -> bool:
-        return self.seconds > self.budget_s
-
-    @property
-    def finished(self) -> bool:
-        """The notebook ran to its end or to its failing cell (not cut short by a signal or a timeout)."""
-        return self.status in ("ok", "failed")
-
-
-def failed_cell(executed: Path) -> str:
-    """Describe the first cell with an error output in an executed notebook ('' if none)."""
-    try:
-        nb = json.loads(executed.read_text())
-    except (OSError, json.JSONDecodeError):
-        return ""
-    n = 0
-    for c in nb.get("cells", []):
-        if c.get("cell_type") != "code" or "injected-parameters" in c.get("metadata", {}).get("tags", []):
-            continue  # count cells as they are in the source notebook, without papermill's injected one
-        n += 1
-        for o in c.get("outputs", []):
-            if o.get("output_type") == "error":
-                first = "".join(c.get("source", "")).strip().splitlines()[:1]
-                return f"code cell {n} ({first[0][:60] if first else ''!r}): {o.get('ename')}: {o.get('evalue', '')[:300]}"
-    return ""
-
-
-_NOISE = re.compile(r"Kernel is running over TCP without encryption")
-
-
-def papermill_warnings(stderr: str) -> list[str]:
-    """papermill's warnings from its stderr (run with --log-level WARNING): the lines before any traceback."""
-    out = []
-    for line in stderr.splitlines():
-        if line.startswith("Traceback") or line.startswith("-" * 10):
-            break
-        line = line.strip()
-        if line and not _NOISE.search(line):
-            out.append(line)
-    return out
-
-
-def mark_incomplete(executed: Path) -> Path:
-    """Rename the executed copy of a notebook that was cut short to `<name>.incomplete.ipynb`."""
-    target = executed.with_name(executed.name.removesuffix(".ipynb") + ".incomplete.ipynb")
-    if executed.is_file():
-        os.replace(executed, target)
-    return target
-
-
-def run_env(results: Path, threads: int | None) -> dict[str, str]:
-    """The environment for a headless notebook kernel."""
-    env = dict(os.environ)
-    env.update({"KIMI_PAPERS_PATHS_RESULTS_DIR": str(results), "KIMI_PAPERS_HEADLESS": "1",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-                "TQDM_MININTERVAL": "5", "PYDEVD_DISABLE_FILE_VALIDATION": "1"})
-    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(settings().get("paths", "compile_cache")))
-    if threads:
-        env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "KIMI_PAPERS_THREADS": str(threads)})
-    return env
-
-
-def run_notebook(book: Workbook, out: Path, profile: str, params: dict[str, Any], results: Path,
-                 threads: int | None = None, timeout_s: float | None = None, stop: "Stopper | None" = None) -> RunResult:
-    """Execute one notebook with papermill in a child process (its own session); never touches `nbs/`."""
-    all_params = check_params(book, params, profile)
-    budget = settings().budget_s(profile)
-    if stop is not None and stop.signum is not None:
-        return RunResult(book.slug, False, 0.0, budget, out, "not started", status="not started")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    kernel = settings().get("run", "kernel_name")
-    cmd = [sys.executable, "-m", "papermill", str(book.path), str(out), "-k", kernel, "--language", "python",
-           "--no-progress-bar", "--log-level", "WARNING", "--cwd", str(book.path.parent), "-y", json.dumps(all_params)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=run_env(results, threads), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)  # its own group: a terminal's Ctrl-C reaches us only
-    status = ""
-    if stop is not None:
-        stop.add(book.slug, proc)
-    try:
-        _, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        kill_tree(process_tree(proc.pid))
-        _, stderr = proc.communicate()
-        status = "timed out"
-    finally:
-        if stop is not None:
-            stop.remove(book.slug)
-    seconds = time.perf_counter() - t0
-    if not status and proc.returncode != 0 and stop is not None and stop.signum is not None:
-        status = "interrupted"
-    if status:
-        out = mark_incomplete(out)
-        err = f"timed out after {timeout_s:.0f} s" if status == "timed out" else f"stopped by {signal.Signals(stop.signum).name}"
-        return RunResult(book.slug, False, seconds, budget, out, err, status=status, warnings=papermill_warnings(stderr))
-    ok, err = proc.returncode == 0, ""
-    if not ok:
-        err = failed_cell(out) or (stderr.strip().splitlines() or ["papermill failed"])[-1]
-    return RunResult(book.slug, ok, seconds, budget, out, err, warnings=papermill_warnings(stderr))
-
-# %% ../../nbs/core/run.ipynb #3d13b8ba
-def _parent_map() -> dict[int, list[int]]:
-    """Child pids by parent pid, for every process on the machine (Linux /proc; `ps` elsewhere)."""
-    kids: dict[int, list[int]] = {}
-    proc = Path("/proc")
-    if proc.is_dir():
-        for d in proc.iterdir():
-            if d.name.isdigit():
-                try:
-                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                kids.setdefault(ppid, []).append(int(d.name))
-        return kids
-    for line in subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True).stdout.splitlines():
-        pid, ppid = map(int, line.split())
-        kids.setdefault(ppid, []).append(pid)
-    return kids
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and all its descendants, parents first."""
-    kids, out, i = _parent_map(), [pid], 0
-    while i < len(out):
-        out.extend(kids.get(out[i], []))
-        i += 1
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Whether process `pid` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return not Path("/proc").is_dir()
-    except (OSError, IndexError):
-        return True
-
-
-def kill_tree(pids: Sequence[int], grace_s: float = 3.0) -> list[int]:
-    """SIGTERM each process in `pids` and its process group, SIGKILL the survivors after `grace_s`; returns pids still alive."""
-    own = os.getpgid(0)
-
-    def send(sig: int) -> None:
-        for pid in pids:
-            try:
-                group = os.getpgid(pid)
-                if group != own:
-                    os.killpg(group, sig)
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 2.0)):
-        if sig == signal.SIGTERM and grace_s <= 0:
-            continue
-        send(sig)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and any(alive(p) for p in pids):
-            time.sleep(0.05)
-        if not any(alive(p) for p in pids):
-            break
-    return [p for p in pids if alive(p)]
-
-
-class Stopper:
-    """The children of one run, and the signal (if any) that asked the run to stop."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._procs: dict[str, subprocess.Popen] = {}
-        self._lock = threading.Lock()
-        self._killers: list[threading.Thread] = []
-
-    def add(self, slug: str, proc: subprocess.Popen) -> None:
-        with self._lock:
-            self._procs[slug] = proc
-            late = self.signum is not None
-        if late:  # the signal came while this child was starting
-            self._kill(proc, 3.0)
-
-    def remove(self, slug: str) -> None:
-        with self._lock:
-            self._procs.pop(slug, None)
-
-    def _kill(self, proc: subprocess.Popen, grace_s: float) -> None:
-        t = threading.Thread(target=kill_tree, args=(process_tree(proc.pid), grace_s), daemon=True)
-        t.start()
-        self._killers.append(t)
-
-    def request(self, signum: int, frame: Any = None) -> None:
-        """Signal handler: stop every child (the second signal without a grace period)."""
-        again = self.signum is not None
-        self.signum = self.signum or signum
-        with self._lock:
-            procs = list(self._procs.values())
-        for p in procs:
-            self._kill(p, 0.0 if again else 3.0)
-
-    def join(self) -> None:
-        """Wait until every child's tree has been stopped."""
-        for t in list(self._killers):
-            t.join()
-
-    @contextlib.contextmanager
-    def handling(self) -> Iterator["Stopper"]:
-        """Route SIGINT and SIGTERM to `request` while the block runs (main thread only), then restore the handlers."""
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        old = {s: signal.signal(s, self.request) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield self
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-
-
-class RunInterrupted(Exception):
-    """A run stopped by SIGINT/SIGTERM; `results` holds every notebook's outcome."""
-
-    def __init__(self, signum: int, results: list[RunResult], run_dir: Path):
-        self.signum, self.results, self.run_dir = signum, results, run_dir
-        super().__init__(interrupted_line(signum, results))
-
-
-def interrupted_line(signum: int, results: Sequence[RunResult]) -> str:
-    """One line: the signal, which notebooks finished, which were cut short (and where their copies are), which never started."""
-    done = [f"{r.slug} ({r.status})" for r in results if r.finished]
-    cut = [f"{r.slug} -> {r.output}" if r.output.is_file() else f"{r.slug} (nothing written)"
-           for r in results if r.status in ("interrupted", "timed out")]
-    never = [r.slug for r in results if r.status == "not started"]
-    parts = [f"finished: {', '.join(done) or 'none'}", f"incomplete: {', '.join(cut) or 'none'}"]
-    if never:
-        parts.append(f"not started: {', '.join(never)}")
-    return f"interrupted by {signal.Signals(signum).name}; " + "; ".join(parts)
-
-# %% ../../nbs/core/run.ipynb #4512aa4e
+# %% ../../nbs/core/run.ipynb #b86e04c1
 def _new_run_dir() -> Path:
     """A fresh `runs/<timestamp>-<pid>/` folder."""
     d = runs_dir() / (time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
@@ -512,6 +122,43 @@ def write_manifest(run_dir: Path, profile: str, record: bool, results: Path, out
     return path
 
 
+def last_runs(profile: str = "smoke", folder: Path | None = None) -> dict[str, str]:
+    """Per notebook slug, '<status> <date>' of its latest run with `profile` found in the `run.json` files under `runs/`."""
+    found: dict[str, str] = {}
+    for manifest in sorted((folder or runs_dir()).glob("*/run.json"), reverse=True):  # folder names sort by time
+        try:
+            data = json.loads(manifest.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if data.get("profile") != profile:
+            continue
+        when = str(data.get("finished", ""))[:16].replace("T", " ")
+        for slug, nb in data.get("notebooks", {}).items():
+            if slug not in found and nb.get("status") != "not started":
+                found[slug] = f"{nb.get('status')} {when}".strip()
+    return found
+
+
+class RunInterrupted(Exception):
+    """A run stopped by SIGINT/SIGTERM; `results` holds every notebook's outcome."""
+
+    def __init__(self, signum: int, results: list[RunResult], run_dir: Path):
+        self.signum, self.results, self.run_dir = signum, results, run_dir
+        super().__init__(interrupted_line(signum, results))
+
+
+def interrupted_line(signum: int, results: Sequence[RunResult]) -> str:
+    """One line: the signal, which notebooks finished, which were cut short (and where their copies are), which never started."""
+    done = [f"{r.slug} ({r.status})" for r in results if r.finished]
+    cut = [f"{r.slug} -> {r.output}" if r.output.is_file() else f"{r.slug} (nothing written)"
+           for r in results if r.status in ("interrupted", "timed out")]
+    never = [r.slug for r in results if r.status == "not started"]
+    parts = [f"finished: {', '.join(done) or 'none'}", f"incomplete: {', '.join(cut) or 'none'}"]
+    if never:
+        parts.append(f"not started: {', '.join(never)}")
+    return f"interrupted by {signal.Signals(signum).name}; " + "; ".join(parts)
+
+# %% ../../nbs/core/run.ipynb #4512aa4e
 def run_many(books: Sequence[Workbook], profile: str = "smoke", params: dict[str, Any] | None = None,
              jobs: int | None = None, record: bool = False, root: Path | None = None,
              progress: bool = True) -> tuple[list[RunResult], Path]:
@@ -606,23 +253,6 @@ def _claims_status(slug: str, profile: str, folder: Path) -> str:
     if not runs:
         return "-"
     return f"{sum(r.get('status') == 'reproduced' for r in runs)}/{len(runs)} reproduced"
-
-
-def last_runs(profile: str = "smoke", folder: Path | None = None) -> dict[str, str]:
-    """Per notebook slug, '<status> <date>' of its latest run with `profile` found in the `run.json` files under `runs/`."""
-    found: dict[str, str] = {}
-    for manifest in sorted((folder or runs_dir()).glob("*/run.json"), reverse=True):  # folder names sort by time
-        try:
-            data = json.loads(manifest.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if data.get("profile") != profile:
-            continue
-        when = str(data.get("finished", ""))[:16].replace("T", " ")
-        for slug, nb in data.get("notebooks", {}).items():
-            if slug not in found and nb.get("status") != "not started":
-                found[slug] = f"{nb.get('status')} {when}".strip()
-    return found
 
 
 def cmd_list(args: argparse.Namespace) -> int:
