@@ -35,7 +35,7 @@ PAPER_FOLDERS = ("rl", "architectures", "serving", "decoding", "agents", "evalua
 @dataclass(frozen=True)
 class Workbook:
     """One notebook of the collection."""
-    slug: str    # file stem, e.g. "spec_md"; core notebooks are "core.<name>"
+    slug: str    # a paper's file stem, e.g. "spec_md"; library notebooks by dotted path, "core.kernels", "core.rl.tasks"
     folder: str  # "serving", "core", "" for the index
     path: Path
 
@@ -64,10 +64,11 @@ def workbooks(root: Path | None = None) -> list[Workbook]:
             continue
         rel = p.relative_to(nbs)
         folder = rel.parent.as_posix() if rel.parent != Path(".") else ""
-        slug = f"core.{p.stem}" if folder == "core" else p.stem
+        # papers (and the index) by their slug; library notebooks by their dotted path: core.kernels, core.rl.tasks
+        slug = p.stem if folder in PAPER_FOLDERS or not folder else ".".join(rel.with_suffix("").parts)
         out.append(Workbook(slug, folder, p))
     order = {"": 0, "core": 1}
-    return sorted(out, key=lambda w: (order.get(w.folder, 2), w.folder, w.slug))
+    return sorted(out, key=lambda w: (order.get(w.folder.split("/")[0], 2), w.folder, w.slug))
 
 
 def select(slugs: Sequence[str], root: Path | None = None) -> list[Workbook]:
