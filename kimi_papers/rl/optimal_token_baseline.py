@@ -26,11 +26,12 @@ from ..core.rl import (ADVANTAGES, HiddenStates, Policy, Problem, RolloutBatch, 
 __all__ = ['group_baseline_compiled', 'sum_pi_squared', 'logit_grad_energy', 'logit_grad_energy_autograd', 'ChainSumTask',
            'token_grad_energies', 'spearman', 'dense_groups', 'returns_to_go', 'realized_energy', 'otb_advantages',
            'otb_multiturn_advantages', 'otb_advantages_reference', 'variance_proxy_metrics', 'outcome_token_rewards',
-           'otb_advantage', 'empirical_grad_variance', 'OTBRun', 'run_otb']
+           'otb_advantage', 'noise_to_signal', 'empirical_grad_variance', 'OTBRun', 'run_otb',
+           'bandit_expected_gradients']
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #13e046f7
 def sum_pi_squared(logits: Tensor) -> Tensor:
-    """Σ_v π_v² over the last axis, as exp(LSE(2z) − 2·LSE(z)) (never forms the softmax)."""
+    """Σ_v π_v² of logits [..., V] (any float dtype) as exp(LSE(2z) − 2·LSE(z)) -> [...] float32 (float64 stays), same device."""
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits: expected a floating-point torch.Tensor, got {type(logits).__name__}")
     if logits.ndim < 1 or logits.shape[-1] == 0:
@@ -57,13 +58,13 @@ def _check_pair(logp_sampled: Tensor, sum_pi2: Tensor) -> None:
 
 
 def logit_grad_energy(logp_sampled: Tensor, sum_pi2: Tensor) -> Tensor:
-    """The Logit-Gradient Proxy s_t = 1 − 2π_a + Σπ² = ‖∇_z log softmax(z)_a‖², from forward quantities."""
+    """The Logit-Gradient Proxy s_t = 1 − 2π_a + Σπ² = ‖∇_z log softmax(z)_a‖²: logp_sampled, sum_pi2 [...] float -> [...] same dtype."""
     _check_pair(logp_sampled, sum_pi2)
     return 1 - 2 * torch.exp(logp_sampled) + sum_pi2
 
 
 def logit_grad_energy_autograd(logits: Tensor, targets: Tensor) -> Tensor:
-    """Reference: ‖∇_z log softmax(z)_a‖² per row by autograd (rows are independent: one backward)."""
+    """Reference ‖∇_z log softmax(z)_a‖² by autograd: logits [N, V] float, targets [N] long -> [N] in the logits' dtype."""
     if logits.ndim != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"logits/targets: expected [N, V] and [N], got {tuple(logits.shape)} and {tuple(targets.shape)}")
     z = logits.detach().clone().requires_grad_(True)
@@ -119,6 +120,9 @@ def token_grad_energies(policy: Policy, input_ids: Tensor, attn_mask: Tensor, re
                         param_tokens: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per response token: the proxy from the fused kernel vs exact logit / LM-head / full-parameter energies.
 
+    `input_ids`, `attn_mask`, `resp_mask` [rows, T] long on the policy's device (the core's rollout layout);
+    returns (per-token, per-sequence) DataFrames of Python floats.
+
     `param_tokens`: how many evenly spaced tokens per sequence get the (one backward each) exact
     full-parameter energy; None = all, 0 = none (then `param_exact` is NaN for the others)."""
     fwd = HiddenStates(policy.model)
@@ -156,16 +160,24 @@ def token_grad_energies(policy: Policy, input_ids: Tensor, attn_mask: Tensor, re
     return pd.DataFrame(tok), pd.DataFrame(seq)
 
 
+def _average_ranks(x: Sequence[float]) -> np.ndarray:
+    """1-based ranks of a 1-d sequence, ties sharing their average rank (float64 [n])."""
+    _, inv, cnt = np.unique(np.asarray(x, dtype=np.float64), return_inverse=True, return_counts=True)
+    return (np.cumsum(cnt) - (cnt - 1) / 2)[inv]
+
+
 def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman rank correlation (average ranks for ties)."""
-    xs, ys = pd.Series(list(x)).rank(), pd.Series(list(y)).rank()
-    if len(xs) < 3 or xs.std() == 0 or ys.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(xs, ys)[0, 1])
+    """Spearman rank correlation of two equal-length number sequences (average ranks for ties); NaN if undefined."""
+    xs, ys = _average_ranks(x), _average_ranks(y)
+    if len(xs) != len(ys):
+        raise ValueError(f"x/y: expected equal lengths, got {len(xs)} and {len(ys)}")
+    dx, dy = xs - xs.mean(), ys - ys.mean()
+    den = math.sqrt(float(dx @ dx) * float(dy @ dy))
+    return float(dx @ dy) / den if len(xs) >= 3 and den > 0 else float("nan")
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #90e2edfd
-def dense_groups(uid: Any, rows: int) -> Tensor:
-    """Map per-row group ids (tensor, array or list of hashables) to dense ints 0..G-1 in first-seen order."""
+def dense_groups(uid: Any, rows: int, device: torch.device | str | None = None) -> Tensor:
+    """Per-row group ids (tensor, array or list of hashables) [rows] -> dense ids 0..G-1 [rows] long on `device`, first-seen order."""
     if isinstance(uid, Tensor):
         vals = uid.tolist()
     elif isinstance(uid, np.ndarray):
@@ -177,17 +189,17 @@ def dense_groups(uid: Any, rows: int) -> Tensor:
     if len(vals) != rows:
         raise ValueError(f"uid: expected {rows} group ids (one per row), got {len(vals)}")
     seen: dict[Hashable, int] = {}
-    return torch.tensor([seen.setdefault(v, len(seen)) for v in vals], dtype=torch.long)
+    return torch.tensor([seen.setdefault(v, len(seen)) for v in vals], dtype=torch.long, device=device)
 
 
 def returns_to_go(token_rewards: Tensor, mask: Tensor) -> Tensor:
-    """G_t = Σ_{t' >= t} r_{t'}·m_{t'} along the last axis."""
+    """G_t = Σ_{t' >= t} r_{t'}·m_{t'}: token_rewards, mask [rows, T] -> [rows, T] in the promoted float dtype."""
     return (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #b69da8a1
 def _group_baseline(ret: Tensor, W: Tensor, m: Tensor, gid: Tensor, n_groups: int, zero_tail: bool = True,
                     eps: float = 1e-8) -> Tensor:
-    """B*_t per row on position-aligned tensors: energy-weighted return average over live peers, zero tail."""
+    """B*_t [rows, T] from position-aligned ret, W, m [rows, T] and gid [rows] long: energy-weighted peer average, zero tail."""
     T = ret.shape[1]
     num = ret.new_zeros(n_groups, T).index_add_(0, gid, ret * W * m)
     den = ret.new_zeros(n_groups, T).index_add_(0, gid, W * m)
@@ -208,7 +220,7 @@ def _group_baseline(ret: Tensor, W: Tensor, m: Tensor, gid: Tensor, n_groups: in
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #32bcc2cf
 def realized_energy(mask: Tensor, old_logp: Tensor, sum_pi2: Tensor, is_weights: Tensor | None = None) -> Tensor:
-    """W_t = Σ_{j<=t} s_j·m_j (s_j·ρ̄_j² with rollout importance weights), the proxy taken on response tokens only."""
+    """W_t = Σ_{j<=t} s_j·m_j (s_j·ρ̄_j² with importance weights): mask, old_logp, sum_pi2, is_weights [rows, T] -> [rows, T] float."""
     on = mask.bool()
     s = logit_grad_energy(torch.where(on, old_logp, 0.0), torch.where(on, sum_pi2, 1.0))  # off-response: s = 0
     if is_weights is not None:
@@ -252,9 +264,12 @@ def _check_aligned(m: Tensor, gid: Tensor) -> None:
 def otb_advantages(token_rewards: Tensor, mask: Tensor, uid: Any, old_logp: Tensor, sum_pi2: Tensor,
                    is_weights: Tensor | None = None, zero_tail: bool = True, eps: float = 1e-8,
                    compiled: bool = False) -> tuple[Tensor, Tensor]:
-    """Optimal Token Baseline advantages (G_t − B*_t)·m_t and returns G_t, for position-aligned responses."""
+    """OTB advantages (G_t − B*_t)·m_t and returns G_t for position-aligned responses.
+
+    token_rewards, mask (0/1), old_logp, sum_pi2, is_weights: [rows, T] float on one device; uid: [rows] group ids.
+    Returns (adv, returns), each [rows, T] in token_rewards' dtype on its device."""
     _check_batch(token_rewards, mask, old_logp, sum_pi2, is_weights)
-    gid = dense_groups(uid, token_rewards.shape[0]).to(token_rewards.device)
+    gid = dense_groups(uid, token_rewards.shape[0], device=token_rewards.device)
     dtype, m = token_rewards.dtype, mask.to(token_rewards.dtype)
     _check_aligned(m, gid)
     ret = returns_to_go(token_rewards, m)
@@ -265,7 +280,7 @@ def otb_advantages(token_rewards: Tensor, mask: Tensor, uid: Any, old_logp: Tens
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #0d2f2142
 def _compact(x: Tensor, m: Tensor, width: int) -> Tensor:
-    """Move each row's masked entries to the left (positions 0..L-1), zeros after."""
+    """x, m [rows, T] -> [rows, width]: each row's masked entries moved to the left (positions 0..L-1), zeros after."""
     rows, T = x.shape
     idx = (m.cumsum(-1) - 1).clamp_min(0).long()
     out = x.new_zeros(rows, width + 1)
@@ -276,7 +291,9 @@ def _compact(x: Tensor, m: Tensor, width: int) -> Tensor:
 def otb_multiturn_advantages(token_rewards: Tensor, mask: Tensor, uid: Any, old_logp: Tensor, sum_pi2: Tensor,
                              is_weights: Tensor | None = None, zero_tail: bool = True,
                              eps: float = 1e-8) -> tuple[Tensor, Tensor]:
-    """OTB for multi-turn (TIR) rows: positions re-indexed over policy tokens only (tool/env tokens have mask 0)."""
+    """OTB for multi-turn (TIR) rows, positions re-indexed over policy tokens (tool/env tokens: mask 0).
+
+    Same tensors as `otb_advantages` ([rows, T] each, uid [rows]); returns (adv, returns) [rows, T] in token_rewards' dtype."""
     _check_batch(token_rewards, mask, old_logp, sum_pi2, is_weights)
     dtype, m = token_rewards.dtype, mask.to(token_rewards.dtype)
     ret = returns_to_go(token_rewards, m)
@@ -284,7 +301,7 @@ def otb_multiturn_advantages(token_rewards: Tensor, mask: Tensor, uid: Any, old_
     L = m.sum(-1)
     live = L > 0  # rows with no policy tokens join no group
     width = int(L.max()) if L.numel() else 0
-    gid = dense_groups(uid, token_rewards.shape[0]).to(token_rewards.device)
+    gid = dense_groups(uid, token_rewards.shape[0], device=token_rewards.device)
     adv = torch.zeros_like(ret)
     if width and live.any():
         mc = _compact(torch.ones_like(m), m, width)
@@ -300,7 +317,7 @@ def otb_multiturn_advantages(token_rewards: Tensor, mask: Tensor, uid: Any, old_
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #446876c9
 def otb_advantages_reference(token_rewards: Tensor, mask: Tensor, uid: Sequence, old_logp: Tensor, sum_pi2: Tensor,
                              is_weights: Tensor | None = None, zero_tail: bool = True, eps: float = 1e-8) -> tuple[Tensor, Tensor]:
-    """Slow loop over groups, line by line as the released algorithm reads (responses left-aligned)."""
+    """Slow loop over groups, line by line as the released algorithm reads (left-aligned [rows, T] tensors -> (adv, returns))."""
     m = mask.to(token_rewards.dtype)
     ret = returns_to_go(token_rewards, m)
     s = 1 - 2 * old_logp.exp() + sum_pi2
@@ -314,7 +331,7 @@ def otb_advantages_reference(token_rewards: Tensor, mask: Tensor, uid: Sequence,
     for rows in groups.values():
         if len(rows) == 1:
             continue
-        idx = torch.tensor(rows)
+        idx = torch.tensor(rows, device=ret.device)
         b = (ret[idx] * W[idx] * m[idx]).sum(0) / ((W[idx] * m[idx]).sum(0) + eps)
         base[idx] = b
         if zero_tail:
@@ -327,7 +344,7 @@ def otb_advantages_reference(token_rewards: Tensor, mask: Tensor, uid: Sequence,
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #49868149
 def variance_proxy_metrics(adv: Tensor, mask: Tensor, token_energy: Tensor, grad_norm: float | None = None) -> dict[str, float]:
-    """The verl variance-proxy trio with ĝ_i := √W_i·Ā_i per sequence: signal ‖ḡ‖², total power E[W·Ā²], noise."""
+    """verl's variance-proxy trio with ĝ_i := √W_i·Ā_i: adv, mask, token_energy [rows, T] float -> dict of Python floats."""
     if adv.shape != mask.shape or token_energy.shape != mask.shape:
         raise ValueError(f"adv/mask/token_energy: expected one shape, got {tuple(adv.shape)}, "
                          f"{tuple(mask.shape)}, {tuple(token_energy.shape)}")
@@ -348,19 +365,19 @@ def variance_proxy_metrics(adv: Tensor, mask: Tensor, token_energy: Tensor, grad
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #20a95523
 def outcome_token_rewards(reward: Tensor, resp_mask: Tensor) -> Tensor:
-    """[rows, T] token rewards: each row's scalar reward on its last response token (rows without one get none)."""
+    """reward [rows], resp_mask [rows, T] -> [rows, T] float on resp_mask's device: the reward on each row's last response token."""
     m = resp_mask.bool()
     T = m.shape[1]
     last = T - 1 - m.flip(-1).long().argmax(-1)
     out = torch.zeros(m.shape, dtype=torch.float32 if not reward.is_floating_point() else reward.dtype, device=m.device)
     live = m.any(-1)
-    out[live.nonzero().flatten(), last[live]] = reward[live].to(out.dtype)
+    out[live.nonzero().flatten(), last[live]] = reward.to(device=m.device, dtype=out.dtype)[live]
     return out
 
 
 @register_advantage("otb")
 def otb_advantage(batch: RolloutBatch, zero_tail: bool = True, eps: float = 1e-8, **_: Any) -> Tensor:
-    """Core-registry adapter: OTB advantages of a `RolloutBatch` (needs `old_logp` and `sum_pi2`)."""
+    """Core-registry adapter: OTB advantages [rows, T] float32 of a `RolloutBatch` (needs `old_logp` and `sum_pi2`)."""
     if batch.old_logp is None or batch.sum_pi2 is None:
         raise ValueError("batch: OTB needs old_logp and sum_pi2 per token (the trainer's scoring pass fills them)")
     rew = outcome_token_rewards(batch.reward.double(), batch.resp_mask)
@@ -369,24 +386,54 @@ def otb_advantage(batch: RolloutBatch, zero_tail: bool = True, eps: float = 1e-8
     return adv.float()
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #4a5592a1
+def noise_to_signal(trace_var: Sequence[float], gram: np.ndarray, groups: int,
+                    counts: Sequence[float] | None = None) -> tuple[float, float, float]:
+    """(mean tr Cov, bias-corrected ‖E ĝ‖², their ratio) from per-prompt trace variances [P] and the Gram matrix
+    [P, P] of per-prompt mean gradients (float64 numpy); `counts` [P] reweights the prompts (a bootstrap resample).
+
+    The squared norm of a mean over `groups` noisy gradients overstates the signal by tr Cov / groups per prompt;
+    that term is removed (a prompt drawn c times enters with weight c², its noise being repeated, not new)."""
+    tv, K = np.asarray(trace_var, dtype=np.float64), np.asarray(gram, dtype=np.float64)
+    if tv.ndim != 1 or len(tv) == 0 or K.shape != (len(tv), len(tv)):
+        raise ValueError(f"trace_var/gram: expected shapes [P] and [P, P], got {tv.shape} and {K.shape}")
+    if not isinstance(groups, (int, np.integer)) or groups < 2:
+        raise ValueError(f"groups={groups!r}: expected an int >= 2 (groups per prompt behind each mean)")
+    c = np.ones(len(tv)) if counts is None else np.asarray(counts, dtype=np.float64)
+    if c.shape != tv.shape or (c < 0).any() or c.sum() <= 0:
+        raise ValueError(f"counts: expected {len(tv)} non-negative weights with a positive sum, got {c.tolist()}")
+    n = c.sum()
+    noise = float(c @ tv / n)
+    signal = float(c @ K @ c / n ** 2 - (c ** 2) @ tv / (groups * n ** 2))
+    return noise, signal, (noise / signal if signal > 0 else math.inf)
+
+
 def empirical_grad_variance(policy: Policy, task: Task, estimators: Mapping[str, str | Callable], *,
                             prompts: Sequence[Problem], groups: int, group_size: int = 4, max_new_tokens: int = 96,
-                            temperature: float = 1.0, seed: int = 0, agg: str = "token-mean") -> pd.DataFrame:
-    """Per estimator: mean within-prompt tr Cov of the flattened policy gradient over `groups` resampled groups."""
+                            temperature: float = 1.0, seed: int = 0, agg: str = "token-mean",
+                            prompt_stats: dict | None = None) -> pd.DataFrame:
+    """Per estimator: mean within-prompt tr Cov of the flattened policy gradient over `groups` resampled groups,
+    the bias-corrected signal ‖E ĝ‖² and their ratio — one DataFrame row each (Python floats).
+
+    Every estimator sees the same sampled responses; gradients are float64 vectors on the policy's device.
+    `estimators` maps a name to a registered advantage or a callable `RolloutBatch -> [rows, T]`. If
+    `prompt_stats` is a dict it is filled with `{name: {"trace_var": [P], "gram": [P, P]}}` (float64 numpy) for
+    `noise_to_signal` on bootstrap resamples of the prompts."""
     if groups < 2 or group_size < 1 or not prompts:
         raise ValueError(f"groups={groups}, group_size={group_size}, prompts={len(prompts)}: "
                          "expected groups >= 2, group_size >= 1 and at least one prompt")
     fns = {k: (ADVANTAGES[v] if isinstance(v, str) else v) for k, v in estimators.items()}
     model, fwd, head = policy.model, HiddenStates(policy.model), policy.head()
     params = [p for p in model.parameters() if p.requires_grad]
-    gen = torch.Generator().manual_seed(seed)
-    per_prompt = []
-    for pi, prob in enumerate(prompts):
+    gen = torch.Generator().manual_seed(seed)                      # CPU stream; `generate` moves the noise to the device
+    means: dict[str, list[Tensor]] = {k: [] for k in fns}
+    tvs: dict[str, list[float]] = {k: [] for k in fns}
+    rew_means, len_stds = [], []
+    for prob in prompts:
         n_rows = groups * group_size
         ids, attn, resp, texts = generate(policy, [policy.encode_prompt(prob.prompt)] * n_rows,
                                           max_new_tokens=max_new_tokens, temperature=temperature, generator=gen)
         reward = torch.tensor([task.reward(prob, t) for t in texts], dtype=torch.float32, device=ids.device)
-        s1 = {k: None for k in fns}
+        s1: dict[str, Tensor | None] = {k: None for k in fns}
         s2 = {k: 0.0 for k in fns}
         for gi in range(groups):
             sl = slice(gi * group_size, (gi + 1) * group_size)
@@ -401,20 +448,21 @@ def empirical_grad_variance(policy: Policy, task: Task, estimators: Mapping[str,
                 s2[k] += float(v @ v)
         for k in fns:
             mean = s1[k] / groups
-            trcov = (s2[k] - groups * float(mean @ mean)) / (groups - 1)
-            per_prompt.append({"estimator": k, "prompt": pi, "trace_var": trcov, "mean": mean,
-                               "reward_mean": float(reward.mean()), "len_std": float(resp.sum(-1).float().std())})
+            tvs[k].append((s2[k] - groups * float(mean @ mean)) / (groups - 1))   # unbiased trace of the covariance
+            means[k].append(mean)
+        rew_means.append(float(reward.mean()))
+        len_stds.append(float(resp.sum(-1).float().std()))
     rows = []
     for k in fns:
-        pp = [r for r in per_prompt if r["estimator"] == k]
-        tv = float(np.mean([r["trace_var"] for r in pp]))
-        mbar = torch.stack([r["mean"] for r in pp]).mean(0)
-        signal = float(mbar @ mbar) - tv / (groups * len(pp))     # remove the noise in the estimated mean
-        rows.append({"estimator": k, "trace_var": tv, "signal": signal,
-                     "noise_to_signal": tv / signal if signal > 0 else float("nan"),
-                     "prompts": len(pp), "groups": groups, "group_size": group_size,
-                     "reward_mean": float(np.mean([r["reward_mean"] for r in pp])),
-                     "len_std": float(np.mean([r["len_std"] for r in pp]))})
+        M = torch.stack(means[k])
+        gram = (M @ M.T).cpu().numpy()
+        noise, signal, nsr = noise_to_signal(tvs[k], gram, groups)
+        if prompt_stats is not None:
+            prompt_stats[k] = {"trace_var": np.array(tvs[k]), "gram": gram}
+        rows.append({"estimator": k, "trace_var": noise, "signal": signal,
+                     "noise_to_signal": nsr if math.isfinite(nsr) else float("nan"),
+                     "prompts": len(prompts), "groups": groups, "group_size": group_size,
+                     "reward_mean": float(np.mean(rew_means)), "len_std": float(np.mean(len_stds))})
     return pd.DataFrame(rows)
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #4b38c994
@@ -449,7 +497,7 @@ class OTBRun:
 
 
 def _trio(batch: RolloutBatch, grad_norm: float) -> dict[str, float]:
-    """verl's variance-proxy trio of a trained rollout batch."""
+    """verl's variance-proxy trio of a trained rollout batch (Python floats)."""
     m = batch.resp_mask.bool()
     e = logit_grad_energy(batch.old_logp * m, torch.where(m, batch.sum_pi2, torch.ones_like(batch.sum_pi2)))
     vm = variance_proxy_metrics(batch.adv, m.float(), e.float(), grad_norm=grad_norm)
@@ -458,7 +506,7 @@ def _trio(batch: RolloutBatch, grad_norm: float) -> dict[str, float]:
 
 def run_otb(cfg: OTBRun, task: Task, init: Policy, snapshots: dict | None = None,
             progress: bool = False) -> pd.DataFrame:
-    """Train every (arm, seed) from the same initial policy; one metrics row per iteration (eval columns at eval points)."""
+    """Train every (arm, seed) from the same initial policy (on its device); one metrics row per iteration, eval columns at eval points."""
     evals = {round(cfg.steps * (j + 1) / cfg.eval_points) for j in range(cfg.eval_points)}
     heldout = task.heldout(cfg.eval_n)
     rows = []
@@ -483,6 +531,45 @@ def run_otb(cfg: OTBRun, task: Task, init: Policy, snapshots: dict | None = None
                 print(f"seed {seed} {arm:>9}: eval_acc {last.get('eval_acc', float('nan')):.3f}, "
                       f"tokens {last['tokens']}, {last['wall_s']:.1f} s")
     return pd.DataFrame(rows)
+
+# %% ../../nbs/rl/optimal_token_baseline.ipynb #b2dcb05b
+def bandit_expected_gradients(logits: Tensor, success_prob: Tensor, estimators: Mapping[str, str | Callable],
+                              group_size: int = 4) -> dict[str, Tensor]:
+    """Exact E[ĝ] w.r.t. the logits [K] of a one-token K-armed Bernoulli bandit, per estimator, plus "true" = ∇_z E[R].
+
+    `success_prob` [K] in [0, 1]; every group of `group_size` (arm, reward) outcomes is enumerated (the
+    estimators are registered advantages or callables `RolloutBatch -> [rows, 1]`); float64 [K] vectors on
+    the device of `logits`."""
+    if not isinstance(logits, Tensor) or logits.ndim != 1 or logits.numel() < 2 or not logits.is_floating_point():
+        raise ValueError(f"logits: expected a 1-D float tensor of K >= 2 arms, got {getattr(logits, 'shape', logits)}")
+    if not isinstance(success_prob, Tensor) or success_prob.shape != logits.shape:
+        raise ValueError(f"success_prob: expected shape {tuple(logits.shape)}, got {getattr(success_prob, 'shape', None)}")
+    if torch.isnan(success_prob).any() or (success_prob < 0).any() or (success_prob > 1).any():
+        raise ValueError("success_prob: expected probabilities in [0, 1]")
+    K, N, dev = logits.numel(), group_size, logits.device
+    if not isinstance(N, int) or N < 2 or (2 * K) ** N > 2_000_000:
+        raise ValueError(f"group_size={N!r}: expected an int >= 2 with (2K)^N = {(2 * K) ** max(int(N), 1)} <= 2e6 groups")
+    pi = torch.softmax(logits.double(), -1)
+    p = success_prob.to(device=dev, dtype=torch.float64)
+    arm = torch.arange(K, device=dev).repeat_interleave(2)                 # outcome o = (arm, reward)
+    rew = torch.tensor([1.0, 0.0], dtype=torch.float64, device=dev).repeat(K)
+    q = pi[arm] * torch.where(rew == 1, p[arm], 1 - p[arm])                # P(outcome) of one pull
+    combos = torch.cartesian_prod(*[torch.arange(2 * K, device=dev)] * N)  # [G, N] every group
+    G = combos.shape[0]
+    a, r = arm[combos].flatten(), rew[combos].flatten()
+    prob = q[combos].prod(-1)                                              # [G] probability of each group
+    ones = torch.ones(G * N, 1, dtype=torch.long, device=dev)
+    batch = RolloutBatch(input_ids=torch.zeros_like(ones), attn_mask=ones, resp_mask=ones, reward=r.float(),
+                         uid=torch.arange(G, device=dev).repeat_interleave(N),
+                         old_logp=torch.log(pi[a]).float()[:, None],
+                         sum_pi2=pi.pow(2).sum().float().expand(G * N, 1).clone())
+    score = torch.nn.functional.one_hot(a, K).double() - pi                # ∇_z log π(a), [G·N, K]
+    out = {"true": pi * (p - pi @ p)}
+    for name, est in estimators.items():
+        fn = ADVANTAGES[est] if isinstance(est, str) else est
+        A = fn(batch)[:, 0].double()
+        out[name] = prob @ (A[:, None] * score).view(G, N, K).mean(1)
+    return out
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #31a820c2
 group_baseline_compiled = compile_fn(_group_baseline, dynamic=True)
