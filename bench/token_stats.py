@@ -9,11 +9,15 @@ For N tokens of bf16 logits at each vocabulary size V it times, forward and forw
 - eager + head / fused + head (unless --no-head): the same from hidden states [N, d] and an LM head [V, d]
 
 and reports median / IQR milliseconds and extra peak memory (CUDA: max_memory_allocated delta; CPU: the
-profiler's tensor allocations, see the kernels notebook). It prints a table and writes JSON (--out).
+profiler's tensor allocations, see the kernels notebook). The arms are timed in --rounds round-robin rounds,
+each the median of --repeat calls; ratios (speed-ups, peak / logits) are computed per round and summarised as
+the mean with a 95% t-interval over rounds. It prints a table and writes JSON (--out): one row per arm and
+round, a summary per arm, and the goals with their intervals.
 
     python bench/token_stats.py                                   # issue 3 sizes on CUDA (an H200: ~1 minute)
     python bench/token_stats.py --device cpu --n 1024 --v 8192    # a small CPU run
     python bench/token_stats.py --record                          # also write the goals to the claims ledger
+    bash bench/gpu_check.sh                                       # GPU tests + this benchmark, logs to $OUT
 
 Goals from issue 3 (H200, N = 16,384, bf16): fused forward <= 0.6 ms at V = 49,152 (eager 9.81 ms, compile
 1.62 ms, floor 0.38 ms) and <= 1.8 ms at V = 151,936 (floor 1.17 ms); extra peak memory <= 10% of the logits.
@@ -49,15 +53,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--d", type=int, default=None, help="hidden size for the LM-head rows (default: per V, else 576)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--chunk", type=int, default=1024, help="rows per chunk for the LM-head variant")
-    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=10, help="timed calls per round (the round reports their median)")
+    ap.add_argument("--rounds", type=int, default=5, help="round-robin timing rounds (intervals are over rounds)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-head", action="store_true", help="skip the LM-head rows")
     ap.add_argument("--no-backward", action="store_true", help="forward only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default: runs/token_stats-<device>.json)")
-    ap.add_argument("--record", action="store_true", help="record the goals in the claims ledger (profile 'full')")
+    ap.add_argument("--record", action="store_true",
+                    help="record the goals in the kernels ledger (profile 'full') under config.results_dir()")
     args = ap.parse_args(argv)
-    for name in ("n", "chunk", "repeat"):
+    for name in ("n", "chunk", "repeat", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name}={getattr(args, name)}: expected an integer >= 1")
     if args.warmup < 1:
@@ -114,7 +120,7 @@ def run_one(n: int, v: int, d: int, args: argparse.Namespace, dev: torch.device)
     floor = {"read once": lambda z, tt: torch.sum(z, dim=-1, dtype=torch.float32)}
     head = {"eager + head": lambda a, b, tt: logp_entropy_eager(a @ b.T, tt),
             "fused + head": lambda a, b, tt: token_stats(a, b, tt, chunk=args.chunk, check=False)}
-    kw = dict(warmup=args.warmup, repeat=args.repeat, device=dev)
+    kw = dict(warmup=args.warmup, repeat=args.repeat, rounds=args.rounds, device=dev)
     leaf = lambda x: x.detach().clone().requires_grad_()  # noqa: E731
     rows = benchmark_rows({**floor, **arms}, logits, t, **kw)
     if not args.no_head:
@@ -125,46 +131,78 @@ def run_one(n: int, v: int, d: int, args: argparse.Namespace, dev: torch.device)
             rows += benchmark_rows(head, leaf(h), leaf(W), t, backward=True, **kw)
     if not compiled_ran(compiled):
         print(f"warning: plain torch.compile fell back to eager at V={v}", file=sys.stderr)
-    eager = {r["mode"]: r["median_ms"] for r in rows if r["name"] == "eager"}
-    for r in rows:
+    eager = {(r["mode"], r["round"]): r["median_ms"] for r in rows if r["name"] == "eager"}
+    for r in rows:  # ratios within a round: both arms timed in the same stretch of the machine's time
         r.update(n=n, V=v, d=d, dtype=args.dtype, logits_mib=logits.nbytes / 2**20,
-                 x_vs_eager=eager[r["mode"]] / r["median_ms"], peak_vs_logits=r["peak_extra_mib"] * 2**20 / logits.nbytes)
+                 x_vs_eager=eager[(r["mode"], r["round"])] / r["median_ms"],
+                 peak_vs_logits=r["peak_extra_mib"] * 2**20 / logits.nbytes)
     del h, W, t, logits
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return rows
 
 
-def goals(rows: list[dict[str, Any]], dev: torch.device, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Issue 3's goals checked against the fused forward rows (the time goal only on CUDA at its shape)."""
+def per_round(rows: list[dict[str, Any]], v: int, name: str, mode: str, col: str) -> list[float]:
+    """One value of `col` per round for an arm at vocabulary size v."""
+    sel = sorted((r for r in rows if r["V"] == v and r["name"] == name and r["mode"] == mode), key=lambda r: r["round"])
+    return [float(r[col]) for r in sel]
+
+
+def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per arm and size: median of the per-round medians, and the per-round ratios' mean with a 95% t-interval."""
+    from kimi_papers.core.ledger import Estimate
+    keys = list(dict.fromkeys((r["V"], r["name"], r["mode"]) for r in rows))
     out = []
-    for r in rows:
-        if r["name"] != "fused" or r["mode"] != "fwd":
-            continue
-        out.append({"goal": f"peak_vs_logits_v{r['V']}", "measured": r["peak_vs_logits"], "threshold": PEAK_GOAL,
-                    "direction": "<=", "met": r["peak_vs_logits"] <= PEAK_GOAL})
-        out.append({"goal": f"speedup_vs_eager_v{r['V']}", "measured": r["x_vs_eager"], "threshold": 1.0,
-                    "direction": ">=", "met": r["x_vs_eager"] >= 1.0})
-        if dev.type == "cuda" and r["n"] == 16384 and args.dtype == "bfloat16" and r["V"] in GOALS_MS:
-            out.append({"goal": f"fwd_ms_v{r['V']}", "measured": r["median_ms"], "threshold": GOALS_MS[r["V"]],
-                        "direction": "<=", "met": r["median_ms"] <= GOALS_MS[r["V"]]})
+    for v, name, mode in keys:
+        ms = per_round(rows, v, name, mode, "median_ms")
+        x = Estimate.t(per_round(rows, v, name, mode, "x_vs_eager"))
+        out.append({"V": v, "name": name, "mode": mode, "rounds": len(ms), "median_ms": sorted(ms)[len(ms) // 2],
+                    "x_vs_eager": x.value, "x_lo": x.low, "x_hi": x.high,
+                    "peak_extra_mib": max(per_round(rows, v, name, mode, "peak_extra_mib")),
+                    "peak_vs_logits": max(per_round(rows, v, name, mode, "peak_vs_logits"))})
     return out
 
 
-def record_goals(checks: list[dict[str, Any]], dev: torch.device, meta: dict[str, Any]) -> None:
-    """Write each goal as a claim of the `kernels` ledger (profile 'full')."""
-    from kimi_papers.core.ledger import Claim, record
+def goals(rows: list[dict[str, Any]], dev: torch.device, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Issue 3's goals from the fused forward rows, each with its per-round samples (the time goal only on CUDA at its shape)."""
+    from kimi_papers.core.ledger import Estimate
+    out = []
+    for v in dict.fromkeys(r["V"] for r in rows):
+        checks = [(f"peak_vs_logits_v{v}", per_round(rows, v, "fused", "fwd", "peak_vs_logits"), PEAK_GOAL, "<=", ""),
+                  (f"speedup_vs_eager_v{v}", per_round(rows, v, "fused", "fwd", "x_vs_eager"), 1.0, ">=", "x")]
+        if dev.type == "cuda" and args.n == 16384 and args.dtype == "bfloat16" and v in GOALS_MS:
+            checks.append((f"fwd_ms_v{v}", per_round(rows, v, "fused", "fwd", "median_ms"), GOALS_MS[v], "<=", "ms"))
+        for goal, samples, thr, direction, unit in checks:
+            est = Estimate.t(samples)
+            side = est.high <= thr if direction == "<=" else est.low >= thr
+            other = est.low > thr if direction == "<=" else est.high < thr
+            out.append({"goal": goal, "measured": est.value, "ci": [est.low, est.high], "n": est.n, "samples": samples,
+                        "threshold": thr, "direction": direction, "unit": unit,
+                        "met": "met" if side else "NOT met" if other else "interval straddles the goal"})
+    return out
+
+
+def record_goals(checks: list[dict[str, Any]], dev: torch.device, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Write each goal as a claim of the `kernels` ledger (profile 'full'), per-round samples -> a t-interval."""
+    from kimi_papers.core.ledger import Claim, Estimate, record
+    context = {k: v for k, v in meta.items() if k != "device"}
+    note = (f"{meta['rounds']} round-robin rounds of {meta['repeat']} timed calls each (a median per round); "
+            "t-interval over the per-round values")
+    entries = []
     for g in checks:
         claim = Claim("kernels", f"{dev.type}_bench_{g['goal']}", f"bench/token_stats.py goal {g['goal']}",
                       "issue 3: H200, N=16,384 bf16: <= 0.6 ms at V=49,152, <= 1.8 ms at V=151,936, peak <= 10%",
-                      f"N={meta['n']}, {meta['dtype']}, {meta['device']}", g["goal"], g["threshold"], g["direction"])
-        record(claim, float(g["measured"]), "full", seeds=(meta["seed"],), **meta)
+                      f"N={meta['n']}, {meta['dtype']}, {meta['device']}", g["goal"], g["threshold"], g["direction"],
+                      unit=g["unit"])
+        entries.append(record(claim, Estimate.t(g["samples"]), "full", seeds=(meta["seed"],), note=note,
+                              device=meta["device"], **context))
+    return entries
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """A fixed-width text table of the rows."""
-    cols = [("V", 7, "d"), ("name", 14, "s"), ("mode", 8, "s"), ("median_ms", 10, ".3f"), ("iqr_ms", 8, ".3f"),
-            ("x_vs_eager", 10, ".2f"), ("peak_extra_mib", 14, ".1f"), ("peak_vs_logits", 14, ".3f")]
+    """A fixed-width text table of the per-arm summary rows."""
+    cols = [("V", 7, "d"), ("name", 14, "s"), ("mode", 8, "s"), ("median_ms", 10, ".3f"), ("x_vs_eager", 10, ".2f"),
+            ("x_lo", 7, ".2f"), ("x_hi", 7, ".2f"), ("peak_extra_mib", 14, ".1f"), ("peak_vs_logits", 14, ".3f")]
     align = lambda f: "<" if f == "s" else ">"  # noqa: E731
     lines = [" ".join(f"{c:{align(f)}{w}}" for c, w, f in cols)]
     lines += [" ".join(f"{r[c]:{align(f)}{w}{f}}" for c, w, f in cols) for r in rows]
@@ -184,16 +222,21 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_one(args.n, v, d, args, dev)
     checks = goals(rows, dev, args)
     meta = {"device": device_name(dev), "torch": torch.__version__, "n": args.n, "dtype": args.dtype,
-            "chunk": args.chunk, "repeat": args.repeat, "seed": args.seed}
-    print(table(rows))
+            "chunk": args.chunk, "repeat": args.repeat, "rounds": args.rounds, "seed": args.seed}
+    summ = summary(rows)
+    print(table(summ))
     for g in checks:
-        print(f"goal {g['goal']}: {g['measured']:.4g} {g['direction']} {g['threshold']} -> {'met' if g['met'] else 'NOT met'}")
+        print(f"goal {g['goal']}: {g['measured']:.4g} [{g['ci'][0]:.4g}, {g['ci'][1]:.4g}] (n={g['n']} rounds) "
+              f"{g['direction']} {g['threshold']} -> {g['met']}")
     out = args.out or ROOT / "runs" / f"token_stats-{dev.type}.json"
     from kimi_papers.core.ledger import atomic_write_text
-    atomic_write_text(out, json.dumps({"meta": meta, "rows": rows, "goals": checks}, indent=1) + "\n")
+    atomic_write_text(out, json.dumps({"meta": meta, "rows": rows, "summary": summ, "goals": checks}, indent=1) + "\n")
     print(f"wrote {out}")
     if args.record:
-        record_goals(checks, dev, meta)
+        for e in record_goals(checks, dev, meta):
+            print(f"recorded {e['status']}: {e['estimate']:.4g} [{e['ci'][0]:.4g}, {e['ci'][1]:.4g}]")
+        from kimi_papers.core.config import results_dir
+        print(f"ledger entries written under {results_dir()}")
     return 0
 
 

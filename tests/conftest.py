@@ -31,3 +31,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"notebooks: {len(rows)} ran, {total:.0f} s of notebook time in all; slowest: "
             + ", ".join(f"{r['notebook']} {r['seconds']:.0f} s" for r in slow))
+
+
+# ---- `gpu` tests run only where CUDA is present; elsewhere they are skipped with the reason shown by `pytest -rs`
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    import pytest
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device (torch.cuda.is_available() is False here); "
+                                   "bench/gpu_check.sh runs these where a GPU is lent")
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -25,23 +25,23 @@ if TYPE_CHECKING:
     import pandas as pd
 
 # %% auto #0
-__all__ = ['COMPILE_CACHE', 'STATS', 'use_compile_cache', 'CompileState', 'compile_fn', 'compiled_ran', 'compile_info',
-           'device_name', 'peak_extra_bytes', 'benchmark_rows', 'benchmark', 'TokenStats', 'token_stats',
-           'token_stats_from_logits', 'token_stats_reference', 'logp_entropy_eager', 'gumbel_noise', 'sample_next']
+__all__ = ['STATS', 'use_compile_cache', 'CompileState', 'compile_fn', 'compiled_ran', 'compile_info', 'device_name',
+           'peak_extra_bytes', 'benchmark_rows', 'benchmark', 'TokenStats', 'token_stats', 'token_stats_from_logits',
+           'token_stats_reference', 'logp_entropy_eager', 'gumbel_noise', 'sample_next']
 
 # %% ../../nbs/core/kernels.ipynb #6afb7c25
 def use_compile_cache() -> Path:
-    """Point inductor at the collection's shared cache folder unless `TORCHINDUCTOR_CACHE_DIR` is set."""
+    """Set `TORCHINDUCTOR_CACHE_DIR` (this process and its children) to the shared cache folder unless already set.
+
+    Importing the library never does this; the runner sets it for its notebook kernels and each notebook calls it
+    in its set-up cell, so a user's own process keeps torch's default cache unless it opts in."""
     cur = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if cur:
         return Path(cur)
-    path = Path(settings().get("paths", "compile_cache"))
+    path = Path(settings().get("paths", "compile_cache")).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
     return path
-
-
-COMPILE_CACHE = use_compile_cache()
 
 # %% ../../nbs/core/kernels.ipynb #447ce2e5
 @dataclass
@@ -80,21 +80,25 @@ def _short_error(err: BaseException, limit: int = 300) -> str:
 
 
 def compile_fn(fn: Callable, *, dynamic: bool | None = None, **kw: Any) -> Callable:
-    """`torch.compile(fn)` that falls back to eager with one visible warning if compilation fails."""
+    """`torch.compile(fn)` that falls back to eager with one visible warning if compilation fails.
+
+    `torch.compile` itself is called on the first call, so defining a wrapper (at import) touches no torch state."""
     if not callable(fn):
         raise TypeError(f"fn: expected a callable, got {type(fn).__name__}")
     if dynamic not in (None, True, False):
         raise TypeError(f"dynamic: expected None, True or False, got {dynamic!r}")
     state = CompileState(getattr(fn, "__qualname__", type(fn).__name__))
-    compiled = torch.compile(_fresh_body(fn, state), dynamic=dynamic, **kw)
+    compiled: list[Callable] = []  # torch.compile pins TORCHINDUCTOR_CACHE_DIR when called: not at import time
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         state.calls += 1
         if state.error is None:
+            if not compiled:
+                compiled.append(torch.compile(_fresh_body(fn, state), dynamic=dynamic, **kw))
             before = state.body_runs
             try:
-                out = compiled(*args, **kwargs)
+                out = compiled[0](*args, **kwargs)
             except Exception as err:  # noqa: BLE001 - any compile failure falls back; eager re-raises user errors
                 out = fn(*args, **kwargs)
                 state.error = _short_error(err)
@@ -239,7 +243,7 @@ def _cpu_peak_bytes(call: Callable[[], Any]) -> float:
 
 
 def peak_extra_bytes(call: Callable[[], Any], device: str | torch.device = "cpu") -> float:
-    """Extra peak tensor memory (bytes) of one `call()` on `device` (see the definition above)."""
+    """Extra peak tensor memory of one `call()` on `device`, in bytes (float): CUDA allocator peak, else CPU profiler."""
     dev = torch.device(device)
     if dev.type == "cuda":
         _sync(dev)
@@ -258,46 +262,66 @@ def _infer_device(args: tuple) -> torch.device:
     return torch.device("cpu")
 
 
+def _timed_median(call: Callable[[], Any], reset: Callable[[], None], dev: torch.device,
+                  repeat: int) -> tuple[list[float], list[float]]:
+    """`repeat` timed calls (ms) and their 25/50/75% quantiles."""
+    times = []
+    for _ in range(repeat):
+        reset()  # gradients of the previous call are freed outside the timed (and measured) region
+        _sync(dev)
+        t0 = time.perf_counter()
+        call()
+        _sync(dev)
+        times.append((time.perf_counter() - t0) * 1e3)
+    q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
+    return times, q
+
+
+def _check_count(name: str, val: Any, lo: int) -> None:
+    if not isinstance(val, int) or isinstance(val, bool) or val < lo:
+        raise ValueError(f"{name}={val!r}: expected an int >= {lo}")
+
+
 def benchmark_rows(fns: Mapping[str, Callable], *args: Any, warmup: int = 2, repeat: int = 10,
-                   device: str | torch.device | None = None, backward: bool = False, memory: bool = True) -> list[dict]:
-    """`benchmark` as a list of plain dicts (no pandas needed)."""
+                   device: str | torch.device | None = None, backward: bool = False, memory: bool = True,
+                   rounds: int = 1) -> list[dict]:
+    """`benchmark` as a list of plain dicts (no pandas needed): one per function and round."""
     if not isinstance(fns, Mapping) or not fns:
         raise ValueError("fns: expected a non-empty dict of name -> callable")
     for name, fn in fns.items():
         if not callable(fn):
             raise TypeError(f"fns[{name!r}]: expected a callable, got {type(fn).__name__}")
-    for pname, val, lo in (("warmup", warmup, 0), ("repeat", repeat, 1)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < lo:
-            raise ValueError(f"{pname}={val!r}: expected an int >= {lo}")
+    _check_count("warmup", warmup, 0)
+    _check_count("repeat", repeat, 1)
+    _check_count("rounds", rounds, 1)
     dev = torch.device(device) if device is not None else _infer_device(args)
-    rows = []
-    for name, fn in fns.items():
-        call, reset = _make_call(fn, args, backward)
+    calls = {name: _make_call(fn, args, backward) for name, fn in fns.items()}
+    for call, reset in calls.values():
         for _ in range(warmup):
             reset()
             call()
-        times = []
-        for _ in range(repeat):
-            reset()  # gradients of the previous call are freed outside the timed (and measured) region
-            _sync(dev)
-            t0 = time.perf_counter()
-            call()
-            _sync(dev)
-            times.append((time.perf_counter() - t0) * 1e3)
-        q = torch.tensor(times, dtype=torch.float64).quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
-        reset()
-        peak = peak_extra_bytes(call, dev) if memory else float("nan")
-        rows.append({"name": name, "mode": "fwd+bwd" if backward else "fwd", "median_ms": q[1], "iqr_ms": q[2] - q[0],
-                     "min_ms": min(times), "peak_extra_mib": peak / 2**20, "repeat": repeat, "device": device_name(dev)})
+    rows = []
+    for rnd in range(rounds):  # round-robin over the functions, so slow drift of the machine hits every arm alike
+        for name, (call, reset) in calls.items():
+            times, q = _timed_median(call, reset, dev, repeat)
+            reset()
+            peak = peak_extra_bytes(call, dev) if memory else float("nan")
+            rows.append({"name": name, "mode": "fwd+bwd" if backward else "fwd", "round": rnd, "median_ms": q[1],
+                         "iqr_ms": q[2] - q[0], "min_ms": min(times), "peak_extra_mib": peak / 2**20,
+                         "repeat": repeat, "device": device_name(dev)})
     return rows
 
 
 def benchmark(fns: Mapping[str, Callable], *args: Any, warmup: int = 2, repeat: int = 10,
-              device: str | torch.device | None = None, backward: bool = False, memory: bool = True) -> "pd.DataFrame":
-    """Median/IQR time (ms) and extra peak memory (MiB) of each function on the same `args`; one row per function."""
+              device: str | torch.device | None = None, backward: bool = False, memory: bool = True,
+              rounds: int = 1) -> "pd.DataFrame":
+    """Median/IQR time (ms) and extra peak memory (MiB) of each function on the same `args`: one row per function and round.
+
+    Each of the `rounds` times every function `repeat` times (round-robin over the functions); the per-round
+    medians are independent repeats for an interval on a ratio of two functions' times."""
     import pandas as pd
     return pd.DataFrame(benchmark_rows(fns, *args, warmup=warmup, repeat=repeat, device=device,
-                                       backward=backward, memory=memory))
+                                       backward=backward, memory=memory, rounds=rounds))
 
 # %% ../../nbs/core/kernels.ipynb #ac55fe54
 STATS = ("logp", "entropy", "sum_pi2")
@@ -306,7 +330,7 @@ _BLOCK = 1024  # vocabulary block of the one-pass reduction
 
 @dataclass
 class TokenStats:
-    """Per-token statistics, each shaped like the targets (None where not requested)."""
+    """Per-token log p(target), entropy and Σπ²: each [...] like the targets, float32 (float64 input: float64), or None."""
     logp: Tensor | None = None
     entropy: Tensor | None = None
     sum_pi2: Tensor | None = None
@@ -365,11 +389,16 @@ def _grad_core(z: Tensor, t: Tensor, saved: Tensor, g: Tensor) -> Tensor:
     return gz.to(z.dtype)
 
 
+def _grad_into(z: Tensor, t: Tensor, saved: Tensor, g: Tensor, out: Tensor) -> None:
+    """`_grad_core` written into `out` [n, V] (a row slice of the full gradient): compiled, no [n, V] temporary."""
+    out.copy_(_grad_core(z, t, saved, g))
+
+
 @functools.lru_cache(maxsize=None)
-def _cuda_out_dtype_mm() -> bool:
-    """Whether this torch has `torch.mm(..., out_dtype=float32)` for half inputs on CUDA."""
+def _cuda_out_dtype_mm(device: torch.device) -> bool:
+    """Whether this torch has `torch.mm(..., out_dtype=float32)` for half inputs on this CUDA device."""
     try:
-        a = torch.ones(2, 2, device="cuda", dtype=torch.bfloat16)
+        a = torch.ones(2, 2, device=device, dtype=torch.bfloat16)
         return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
     except (RuntimeError, TypeError):
         return False
@@ -381,7 +410,7 @@ def _head_ops(W: Tensor) -> tuple[Callable, Callable, Callable]:
     On CUDA the half GEMMs write float32 directly; elsewhere W is upcast once per call (V·d·4 bytes)."""
     if W.dtype in (torch.float32, torch.float64):
         return (lambda hc: hc @ W.T), (lambda gz: gz @ W), (lambda dw, gz, hc: dw.addmm_(gz.T, hc))
-    if W.is_cuda and _cuda_out_dtype_mm():
+    if W.is_cuda and _cuda_out_dtype_mm(W.device):
         return ((lambda hc: torch.mm(hc, W.T, out_dtype=torch.float32)), (lambda gz: gz.to(W.dtype) @ W),
                 (lambda dw, gz, hc: dw.add_(torch.mm(gz.T.to(W.dtype), hc, out_dtype=torch.float32))))
     W32 = W.float()
@@ -390,17 +419,40 @@ def _head_ops(W: Tensor) -> tuple[Callable, Callable, Callable]:
 
 _stats_compiled = compile_fn(_stats_core, dynamic=True)
 _grad_compiled = compile_fn(_grad_core, dynamic=True)
+_grad_into_compiled = compile_fn(_grad_into, dynamic=True)
 
 
 def _kernels(compiled: bool) -> tuple[Callable, Callable]:
     return (_stats_compiled, _grad_compiled) if compiled else (_stats_core, _grad_core)
 
 # %% ../../nbs/core/kernels.ipynb #470325ab
-def _chunks(n: int, chunk: int) -> list[slice]:
-    """`n` rows in ceil(n / chunk) balanced slices."""
+_EAGER_ROWS = 1024  # rows per chunk whenever the eager math runs: it holds ~4 float32 [rows, V] temporaries
+
+
+def _chunks(n: int, chunk: int, start: int = 0) -> list[slice]:
+    """Rows start..start+n in ceil(n / chunk) balanced slices."""
     k = max(1, -(-n // chunk))
-    bounds = [round(i * n / k) for i in range(k + 1)]
+    bounds = [start + round(i * n / k) for i in range(k + 1)]
     return [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+
+
+def _over_rows(run: Callable[[slice], Any], n: int, chunk: int | None, kernel: Callable | None) -> list[slice]:
+    """Call `run(rows)` over all n rows, in fixed chunks of `chunk` rows or, for `chunk=None`, adaptively.
+
+    Adaptive: the first `_EAGER_ROWS` rows go first; if the compiled `kernel` really ran on them (`compiled_ran`),
+    the rest follows in one pass, otherwise (eager by request, a failed compile, dynamo's silent fallback after its
+    recompile limit, `force_eager`) in chunks of `_EAGER_ROWS`. Returns the slices in the order they ran."""
+    if chunk is not None or kernel is None or n <= _EAGER_ROWS:
+        slices = _chunks(n, chunk or _EAGER_ROWS)
+        for sl in slices:
+            run(sl)
+        return slices
+    first = slice(0, _EAGER_ROWS)
+    run(first)
+    rest = [slice(_EAGER_ROWS, n)] if compiled_ran(kernel) else _chunks(n - _EAGER_ROWS, _EAGER_ROWS, _EAGER_ROWS)
+    for sl in rest:
+        run(sl)
+    return [first, *rest]
 
 
 def _join(parts: list[tuple[Tensor, ...]], like: Tensor) -> list[Tensor]:
@@ -443,28 +495,28 @@ class _HeadStats(torch.autograd.Function):
 
 
 class _LogitStats(torch.autograd.Function):
-    """Token statistics of softmax(logits), chunked over rows, with a recomputing backward."""
+    """Token statistics of softmax(logits), chunked over rows, with a recomputing backward written in place."""
 
     @staticmethod
     def forward(ctx, logits, t, chunk, compiled):
         stats_fn, _ = _kernels(compiled)
-        slices = _chunks(logits.shape[0], chunk)
-        logp, ent, s2, lse = _join([stats_fn(logits[sl], t[sl]) for sl in slices], logits)
+        parts = []
+        _over_rows(lambda sl: parts.append(stats_fn(logits[sl], t[sl])), logits.shape[0], chunk,
+                   stats_fn if compiled else None)
+        logp, ent, s2, lse = _join(parts, logits)
         ctx.save_for_backward(logits, t, torch.stack([lse, ent, s2]))
-        ctx.slices, ctx.compiled = slices, compiled
+        ctx.chunk, ctx.compiled = chunk, compiled
         return logp, ent, s2
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logp, g_ent, g_s2):
         logits, t, saved = ctx.saved_tensors
-        _, grad_fn = _kernels(ctx.compiled)
+        into = _grad_into_compiled if ctx.compiled else _grad_into
         g = torch.stack([g_logp, g_ent, g_s2]).to(saved.dtype)
-        if len(ctx.slices) == 1:
-            return grad_fn(logits, t, saved, g), None, None, None
         dz = torch.empty_like(logits)
-        for sl in ctx.slices:
-            dz[sl] = grad_fn(logits[sl], t[sl], saved[:, sl], g[:, sl])
+        _over_rows(lambda sl: into(logits[sl], t[sl], saved[:, sl], g[:, sl], dz[sl]), logits.shape[0], ctx.chunk,
+                   into if ctx.compiled else None)
         return dz, None, None, None
 
 # %% ../../nbs/core/kernels.ipynb #8df57923
@@ -508,7 +560,7 @@ def _package(out: tuple[Tensor, ...], lead: torch.Size, want: tuple[str, ...]) -
 
 def token_stats(h: Tensor, W: Tensor, targets: Tensor, chunk: int = 1024,
                 want: Sequence[str] = STATS, *, compiled: bool = True, check: bool = True) -> TokenStats:
-    """log p(target), entropy and Σπ² of softmax(h Wᵀ) per token, chunked over tokens (never a full [N, V])."""
+    """Stats of softmax(h Wᵀ): h [..., d], W [V, d] float, targets [...] int -> TokenStats [...] float32; no full [N, V]."""
     _check_float("h", h, 1)
     _check_float("W", W, 2)
     want = _check_want(want)
@@ -525,7 +577,10 @@ def token_stats(h: Tensor, W: Tensor, targets: Tensor, chunk: int = 1024,
 
 def token_stats_from_logits(logits: Tensor, targets: Tensor, chunk: int | None = None,
                             want: Sequence[str] = STATS, *, compiled: bool = True, check: bool = True) -> TokenStats:
-    """The same statistics from given logits [..., V]; `chunk=None` means one pass when compiled, 1024 rows eagerly."""
+    """Stats of softmax(logits): logits [..., V] float, targets [...] int -> TokenStats [...] float32 (float64 if float64).
+
+    `chunk=None`: one pass over the rows when the compiled kernel runs (checked on a first chunk of 1,024 rows),
+    else chunks of 1,024 rows, since the eager math holds about four [rows, V] float32 temporaries."""
     _check_float("logits", logits, 1)
     want = _check_want(want)
     _check_chunk(chunk, allow_none=True)
@@ -534,14 +589,12 @@ def token_stats_from_logits(logits: Tensor, targets: Tensor, chunk: int | None =
         raise ValueError(f"logits: expected a non-empty vocabulary axis, got shape {tuple(logits.shape)}")
     lead = logits.shape[:-1]
     _check_targets(targets, lead, V, logits.device, check)
-    if chunk is None:  # the compiled kernel keeps no [N, V] temporaries; the eager math does
-        chunk = max(1, logits.numel() // V) if compiled and _stats_compiled.compile_state.error is None else 1024
     out = _LogitStats.apply(logits.reshape(-1, V), targets.reshape(-1).long(), chunk, compiled)
     return _package(out, lead, want)
 
 
 def token_stats_reference(h: Tensor, W: Tensor | None, targets: Tensor) -> TokenStats:
-    """Eager float64 ground truth via log_softmax/gather; `W=None` means `h` already holds the logits."""
+    """Float64 ground truth: h [..., d] with W [V, d], or logits h [..., V] with `W=None` -> TokenStats [...] float64."""
     _check_float("h", h, 1)
     z = h.double() if W is None else h.double() @ W.double().T
     lp = torch.log_softmax(z, dim=-1)
@@ -552,15 +605,19 @@ def token_stats_reference(h: Tensor, W: Tensor | None, targets: Tensor) -> Token
 
 
 def logp_entropy_eager(logits: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
-    """The usual eager baseline: float32 log_softmax over the full logits, gather, entropy."""
+    """The usual eager baseline: logits [N, V], targets [N] int64 -> (log p(target), entropy), each [N] float32."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(lp.exp() * lp).sum(-1)
 
 # %% ../../nbs/core/kernels.ipynb #e2b9671b
 def gumbel_noise(shape: Sequence[int], generator: torch.Generator | None = None,
-                 device: str | torch.device = "cpu") -> Tensor:
-    """Standard Gumbel noise −log(−log U), U ~ Uniform(0, 1), float32."""
-    u = torch.rand(tuple(shape), generator=generator, device=device)
+                 device: str | torch.device | None = None) -> Tensor:
+    """Gumbel noise −log(−log U), U ~ Uniform(0, 1): float32 `shape` on `device` (default: the generator's, else CPU).
+
+    U is drawn on the generator's device and then moved, so a CPU generator gives the same noise on every device."""
+    src = generator.device if generator is not None else torch.device(device if device is not None else "cpu")
+    dst = torch.device(device) if device is not None else src
+    u = torch.rand(tuple(shape), generator=generator, device=src).to(dst)
     tiny = torch.finfo(torch.float32).tiny
     return -torch.log(-torch.log(u.clamp(tiny, 1.0 - 1e-7)))
 
@@ -593,7 +650,9 @@ def _per_row(name: str, val: float | Tensor, rows: int, device: torch.device, lo
 
 def sample_next(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor, noise: Tensor,
                 *, compiled: bool = True) -> Tensor:
-    """Next token ids [...] from logits [..., V]: temperature, then top-p, then Gumbel-max with the given noise."""
+    """Next token ids [...] int64 from logits [..., V] float: temperature, top-p, then Gumbel-max with noise [..., V] float.
+
+    `temperature` and `top_p` are numbers or per-row float tensors [rows] on the logits' device."""
     _check_float("logits", logits, 1)
     _check_float("noise", noise, 1)
     if noise.shape != logits.shape:
