@@ -216,7 +216,7 @@ def test_site_has_every_page(site):
     board = (site / "board.html").read_text()
     assert "The method beats the baseline" in board and ">reproduced</span>" in board
     assert "2.1 [" in board and "x (n=3)" in board  # the estimate with its interval, unit and n
-    assert board.index("Paper claims") < board.index("Mechanics") < board.index("The two paths agree")
+    assert board.index("<h3>Paper claims") < board.index("<h3>Mechanics") < board.index("The two paths agree")
     api = (site / "api" / "kimi_papers.core.ledger.html").read_text()
     assert "record" in api and "core/ledger.html" in api  # linked to its notebook page
 

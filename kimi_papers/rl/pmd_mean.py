@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -17,14 +17,15 @@ from scipy.optimize import brentq, minimize
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['PMD_MODES', 'PMD_AGGS', 'log_lambertw_exp', 'kl_pmd_population', 'pmd_mean_population', 'regression_objective',
-           'mixed_objective', 'regression_optimum_numeric', 'mixed_optimum_numeric', 'binary_grid', 'pmd_advantages',
-           'pmd_seq_terms', 'pmd_loss', 'bandit_experiment', 'pmd_mean_advantage', 'pmd_partition_advantage',
-           'pmd_mean_loss', 'pmd_trainer_kwargs', 'run_pmd_experiment', 'summarize_runs']
+__all__ = ['PMD_MODES', 'LONE_RULES', 'PMD_AGGS', 'log_lambertw_exp', 'kl_pmd_population', 'pmd_mean_population',
+           'regression_objective', 'mixed_objective', 'regression_optimum_numeric', 'mixed_optimum_numeric',
+           'binary_grid', 'pmd_advantages', 'pmd_seq_terms', 'pmd_loss', 'bandit_experiment', 'pmd_mean_advantage',
+           'pmd_partition_advantage', 'pmd_mean_loss', 'pmd_trainer_kwargs', 'run_pmd_experiment', 'summarize_runs',
+           'tune_grid', 'first_reach', 'matched_progress_std']
 
 # %% ../../nbs/rl/pmd_mean.ipynb #ca47dd43
 def log_lambertw_exp(x: np.ndarray | float, iters: int = 100) -> np.ndarray:
-    """log W₀(eˣ) elementwise, by Newton on u + eᵘ = x (never forms eˣ, so no overflow)."""
+    """log W₀(eˣ) elementwise for a float64 array x (any shape), by Newton on u + eᵘ = x (never forms eˣ, so no overflow)."""
     x = np.asarray(x, dtype=np.float64)
     if not np.isfinite(x).all():
         raise ValueError("x: expected finite values")
@@ -60,7 +61,7 @@ def _check_tabular(pi_old: Any, r: Any, tau: float) -> tuple[np.ndarray, np.ndar
 
 
 def kl_pmd_population(pi_old: Any, r: Any, tau: float) -> np.ndarray:
-    """The ideal KL-PMD step π_old·exp(r/τ)/Z (softmax update, computed with a max-shift)."""
+    """The ideal KL-PMD step π_old·exp(r/τ)/Z [K] float64 from π_old, r [K] (softmax update with a max-shift)."""
     p, rr = _check_tabular(pi_old, r, tau)
     z = np.where(p > 0, np.log(np.where(p > 0, p, 1.0)) + rr / tau, -np.inf)
     return np.exp(z - np.logaddexp.reduce(z))
@@ -72,7 +73,7 @@ def _pmd_log_w(log_c: float, a: np.ndarray, tau: float) -> np.ndarray:
 
 
 def pmd_mean_population(pi_old: Any, r: Any, tau: float) -> tuple[np.ndarray, float]:
-    """PMD-mean's population update (Lambert-W closed form) and its adaptive χ² weight c."""
+    """PMD-mean's population update π_new [K] float64 (Lambert-W closed form) and its χ² weight c, from π_old, r [K]."""
     p, rr = _check_tabular(pi_old, r, tau)
     sup = p > 0
     if np.ptp(rr[sup]) == 0:  # deterministic reward under π_old: a ≡ 0, w ≡ 1, c = 0
@@ -94,7 +95,7 @@ def pmd_mean_population(pi_old: Any, r: Any, tau: float) -> tuple[np.ndarray, fl
 
 # %% ../../nbs/rl/pmd_mean.ipynb #da1e302e
 def regression_objective(pi: Any, pi_old: Any, r: Any, tau: float) -> float:
-    """PMD-mean's population loss E_old[(r − r̄ − τ·log(π/π_old))²] (the per-sample regression, τ/2 dropped)."""
+    """PMD-mean's population loss E_old[(r − r̄ − τ·log(π/π_old))²] for π, π_old, r [K] (τ/2 dropped); a float."""
     p, rr = _check_tabular(pi_old, r, tau)
     q = np.asarray(pi, dtype=np.float64)
     sup = p > 0
@@ -103,7 +104,7 @@ def regression_objective(pi: Any, pi_old: Any, r: Any, tau: float) -> float:
 
 
 def mixed_objective(pi: Any, pi_old: Any, r: Any, tau: float, c: float) -> float:
-    """E_π[r] − τ·KL(π‖π_old) − (c/2)·χ²(π‖π_old), the subproblem PMD-mean implicitly solves."""
+    """E_π[r] − τ·KL(π‖π_old) − (c/2)·χ²(π‖π_old) for π, π_old, r [K]: the subproblem PMD-mean implicitly solves."""
     p, rr = _check_tabular(pi_old, r, tau)
     q = np.asarray(pi, dtype=np.float64)
     if q.shape != p.shape or (q[p == 0] > 0).any():
@@ -123,7 +124,7 @@ def _softmax_fit(fun_grad, theta0: np.ndarray) -> np.ndarray:
 
 
 def regression_optimum_numeric(pi_old: Any, r: Any, tau: float) -> np.ndarray:
-    """Reference minimiser of `regression_objective` over the simplex (full-support π_old)."""
+    """Reference minimiser [K] float64 of `regression_objective` over the simplex (full-support π_old [K])."""
     p, rr = _check_tabular(pi_old, r, tau)
     a, lp_old = rr - p @ rr, np.log(p)
 
@@ -137,7 +138,7 @@ def regression_optimum_numeric(pi_old: Any, r: Any, tau: float) -> np.ndarray:
 
 
 def mixed_optimum_numeric(pi_old: Any, r: Any, tau: float, c: float) -> np.ndarray:
-    """Reference maximiser of `mixed_objective` at a fixed χ² weight c (full-support π_old)."""
+    """Reference maximiser [K] float64 of `mixed_objective` at a fixed χ² weight c (full-support π_old [K])."""
     p, rr = _check_tabular(pi_old, r, tau)
     lp_old = np.log(p)
 
@@ -152,7 +153,7 @@ def mixed_optimum_numeric(pi_old: Any, r: Any, tau: float, c: float) -> np.ndarr
 
 # %% ../../nbs/rl/pmd_mean.ipynb #7d561e46
 def binary_grid(ps: Sequence[float], taus: Sequence[float]) -> pd.DataFrame:
-    """New success probability of PMD-mean and KL-PMD for a binary reward, over a p × τ grid."""
+    """New success probability of PMD-mean and KL-PMD for a binary reward: one DataFrame row per (τ, p)."""
     rows = []
     for tau in taus:
         for p in ps:
@@ -167,81 +168,111 @@ def binary_grid(ps: Sequence[float], taus: Sequence[float]) -> pd.DataFrame:
 
 # %% ../../nbs/rl/pmd_mean.ipynb #62b61e21
 PMD_MODES = ("mean_loo", "mean", "partition_loo")
+LONE_RULES = ("reward", "zero")
 
 
-def _group_ids(uid: Any, rows: int) -> Tensor:
-    """Dense group index 0..n-1 for per-row group ids (tensor, array or sequence)."""
-    vals = uid.tolist() if isinstance(uid, (Tensor, np.ndarray)) else uid
+def _group_ids(uid: Any, rows: int, device: torch.device) -> Tensor:
+    """Dense group index [rows] int64 on `device` from per-row group ids (a tensor, an array or a sequence)."""
+    if isinstance(uid, Tensor):
+        if uid.ndim != 1 or uid.shape[0] != rows:
+            raise ValueError(f"uid: expected {rows} group ids (one per reward), got shape {tuple(uid.shape)}")
+        return torch.unique(uid.to(device), return_inverse=True)[1]
+    vals = uid.tolist() if isinstance(uid, np.ndarray) else uid
     if isinstance(vals, (str, bytes)) or not isinstance(vals, Sequence):
         raise TypeError(f"uid: expected a tensor, array or sequence of group ids, got {type(uid).__name__}")
     if len(vals) != rows:
         raise ValueError(f"uid: expected {rows} group ids (one per reward), got {len(vals)}")
     seen: dict[Any, int] = {}
-    return torch.tensor([seen.setdefault(v, len(seen)) for v in vals], dtype=torch.long)
+    return torch.tensor([seen.setdefault(v, len(seen)) for v in vals], dtype=torch.long, device=device)
 
 
-def pmd_advantages(rewards: Tensor, uid: Any, tau: float, mode: str = "mean_loo") -> Tensor:
-    """Per-sequence advantages A_i = r_i − b_i with PMD's group baselines (no std scaling; a lone sample gets 0)."""
+def _loo_logmeanexp(z: Tensor, gid: Tensor, n: Tensor) -> Tensor:
+    """log of the mean of exp(z_j) over the other rows j of each row's group [rows] (exact masked logsumexp)."""
+    rows, dev = z.shape[0], z.device
+    order = torch.argsort(gid, stable=True)
+    start = torch.cumsum(n, 0) - n
+    pos = torch.empty_like(gid)
+    pos[order] = torch.arange(rows, device=dev) - start[gid[order]]  # rank of each row inside its group
+    table = torch.full((n.numel(), int(n.max())), -math.inf, dtype=z.dtype, device=dev)
+    table[gid, pos] = z
+    others = table[gid]  # [rows, max group size]: each row's group, -inf padded
+    others[torch.arange(rows, device=dev), pos] = -math.inf  # leave the row itself out
+    return torch.logsumexp(others, 1) - torch.log((n[gid] - 1).clamp_min(1).to(z.dtype))
+
+
+def pmd_advantages(rewards: Tensor, uid: Any, tau: float, mode: str = "mean_loo", lone: str = "reward") -> Tensor:
+    """A_i = r_i − b_i [rows], same dtype and device as `rewards` [rows] (float); `uid` [rows]: group ids; no std scaling."""
     if mode not in PMD_MODES:
         raise ValueError(f"mode={mode!r}: expected one of {PMD_MODES}")
+    if lone not in LONE_RULES:
+        raise ValueError(f"lone={lone!r}: expected one of {LONE_RULES}")
     _check_tau(tau)
     if not isinstance(rewards, Tensor) or rewards.ndim != 1 or not rewards.is_floating_point():
         raise TypeError("rewards: expected a 1-D floating-point tensor [rows]")
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards: expected finite values (got NaN or inf)")
-    gid = _group_ids(uid, rewards.shape[0])
     r = rewards.double()
-    n = torch.bincount(gid, minlength=int(gid.max()) + 1 if gid.numel() else 0).double()
-    tot = torch.zeros_like(n).index_add_(0, gid, r)
+    gid = _group_ids(uid, r.shape[0], r.device)
+    if r.numel() == 0:
+        return rewards.clone()
+    n = torch.bincount(gid)
+    nr = n[gid].to(r.dtype)
+    tot = torch.zeros(n.numel(), dtype=r.dtype, device=r.device).index_add_(0, gid, r)
     if mode == "mean":
-        base = (tot / n)[gid]
-    elif mode == "mean_loo":
-        base = (tot[gid] - r) / (n[gid] - 1).clamp_min(1)
+        return (r - tot[gid] / nr).to(rewards.dtype)  # a group of one: A = 0
+    if mode == "mean_loo":
+        base = (tot[gid] - r) / (nr - 1).clamp_min(1)
     else:
-        base = torch.empty_like(r)
-        for g in range(n.numel()):
-            idx = (gid == g).nonzero().squeeze(1)
-            z = (r[idx] / tau).expand(len(idx), -1).clone()
-            z.fill_diagonal_(-math.inf)  # leave one out
-            lme = torch.logsumexp(z, dim=1) - math.log(max(len(idx) - 1, 1))
-            base[idx] = tau * lme if len(idx) > 1 else r[idx]
-    adv = torch.where(n[gid] > 1, r - base, torch.zeros_like(r))
-    return adv.to(rewards.dtype)
+        base = tau * _loo_logmeanexp(r / tau, gid, n)
+    # a group of one has no other sample: OpenKimi leaves its baseline at 0 (A = r); lone="zero" sets A = 0
+    lone_base = torch.zeros_like(r) if lone == "reward" else r
+    return (r - torch.where(nr > 1, base, lone_base)).to(rewards.dtype)
 
 # %% ../../nbs/rl/pmd_mean.ipynb #1ea646a0
 PMD_AGGS = ("seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """float32 for half/bfloat16 inputs (their log-probs are quantised too coarsely for the regression), else float64/float32."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def pmd_seq_terms(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, tau: float,
                   weights: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Per sequence: (τ/2)·w·(A/τ − Δ)² (before length normalisation), the log-ratio Δ and the length |y|."""
+    """Per sequence [rows]: (τ/2)·w·(A/τ − Δ)², Δ and |y| from logp/old_logp/mask [rows, T], adv [rows] or [rows, T].
+
+    Computed in float32 at least (float64 inputs stay float64), on `logp`'s device."""
     _check_tau(tau)
     if logp.ndim != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(f"logp/old_logp/mask: expected equal [rows, T] shapes, got "
                          f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(mask.shape)}")
-    m = mask.to(logp.dtype)
+    ct, dev = _compute_dtype(logp), logp.device
+    lp, lp_old, m = logp.to(ct), old_logp.to(device=dev, dtype=ct), mask.to(device=dev, dtype=ct)
     lengths = m.sum(-1).clamp_min(1.0)
-    if adv.shape == logp.shape:  # token-level advantages (constant per sequence): take the masked mean
-        adv = (adv * m).sum(-1) / lengths
-    if adv.shape != lengths.shape:
+    a = adv.to(device=dev, dtype=ct)
+    if a.shape == logp.shape:  # token-level advantages (constant per sequence): take the masked mean
+        a = (a * m).sum(-1) / lengths
+    if a.shape != lengths.shape:
         raise ValueError(f"adv: expected shape [rows]={tuple(lengths.shape)} or [rows, T], got {tuple(adv.shape)}")
-    if not torch.isfinite(adv).all():
+    if not torch.isfinite(a).all():
         raise ValueError("adv: expected finite advantages")
-    w = torch.ones_like(lengths) if weights is None else weights.to(logp.dtype)
+    w = torch.ones_like(lengths) if weights is None else weights.to(device=dev, dtype=ct)
     if w.shape != lengths.shape:
         raise ValueError(f"weights: expected shape {tuple(lengths.shape)}, got {tuple(w.shape)}")
-    delta = torch.where(m > 0, logp - old_logp, torch.zeros_like(logp)).sum(-1)
-    return 0.5 * tau * w * (adv.to(logp.dtype) / tau - delta).pow(2), delta, lengths
+    delta = torch.where(m > 0, lp - lp_old, torch.zeros_like(lp)).sum(-1)
+    return 0.5 * tau * w * (a / tau - delta).pow(2), delta, lengths
 
 
 def pmd_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, tau: float,
              agg: str = "seq-mean-token-mean", weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """The PMD regression surrogate mean_i (τ/2)·w_i·(A_i/τ − Δ_i)²/L_i on sequence log-ratios Δ_i."""
+    """The PMD regression mean_i (τ/2)·w_i·(A_i/τ − Δ_i)²/L_i: a 0-d loss (float32, or float64 for float64 inputs) and metrics.
+
+    logp/old_logp/mask [rows, T], adv [rows] or [rows, T], weights [rows] or None; L_i = |y_i| or T (`agg`)."""
     if agg not in PMD_AGGS:
         raise ValueError(f"agg={agg!r}: expected one of {PMD_AGGS}")
     per_seq, delta, lengths = pmd_seq_terms(logp, old_logp, adv, mask, tau, weights)
     per_seq = per_seq / lengths if agg == "seq-mean-token-mean" else per_seq / logp.shape[1]
-    loss = per_seq.mean() if per_seq.numel() else logp.sum() * 0.0
+    loss = per_seq.mean() if per_seq.numel() else logp.to(per_seq.dtype).sum() * 0.0
     with torch.no_grad():
         metrics = {"pmd/kl_old_new": float((-delta / lengths).mean()) if delta.numel() else 0.0,
                    "pmd/log_ratio": float(delta.mean()) if delta.numel() else 0.0}
@@ -249,7 +280,7 @@ def pmd_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, tau: flo
 
 # %% ../../nbs/rl/pmd_mean.ipynb #dcc1d6d4
 def _bandit_grad(theta: Tensor, y: Tensor, adv: Tensor, lp_old: Tensor, tau: float) -> Tensor:
-    """∂/∂θ of each row's PMD regression loss mean_g (τ/2)(A/τ − Δ)² for one-token responses y [rows, G]."""
+    """∂/∂θ [rows, K] of each row's PMD loss mean_g (τ/2)(A/τ − Δ)² for logits θ [rows, K], one-token responses y, A, old log-probs [rows, G]."""
     lp = torch.log_softmax(theta, -1)
     g = -(adv - tau * (lp.gather(1, y) - lp_old)) / y.shape[1]  # ∂L/∂log π(y_i)
     onehot = torch.zeros_like(theta).scatter_add_(1, y, g)
@@ -259,8 +290,10 @@ def _bandit_grad(theta: Tensor, y: Tensor, adv: Tensor, lp_old: Tensor, tau: flo
 def bandit_experiment(modes: Sequence[str] = ("mean_loo", "partition_loo"), *, arms: int = 64, group: int = 4,
                       iters: int = 300, seeds: Sequence[int] = tuple(range(20)), fit_steps: int = 20,
                       tau: float = 0.01, lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.999),
-                      eps: float = 1e-8) -> pd.DataFrame:
-    """π(correct arm) per iteration for PMD fits with each baseline `mode` on a 1-correct-arm bandit."""
+                      eps: float = 1e-8, device: str | torch.device = "cpu") -> pd.DataFrame:
+    """π(correct arm) per iteration for PMD fits with each baseline `mode` on a 1-correct-arm bandit (float64 on `device`).
+
+    Returns a long DataFrame with columns mode, seed, iter, p_correct; the seeds' noise is drawn on the CPU, so any device gives the same draws."""
     for name, v, lo in (("arms", arms, 2), ("group", group, 2), ("iters", iters, 1), ("fit_steps", fit_steps, 1)):
         if not isinstance(v, int) or isinstance(v, bool) or v < lo:
             raise ValueError(f"{name}={v!r}: expected an int >= {lo}")
@@ -271,10 +304,10 @@ def bandit_experiment(modes: Sequence[str] = ("mean_loo", "partition_loo"), *, a
         raise ValueError(f"modes: expected a non-empty subset of {PMD_MODES}, got {modes!r}")
     S, M = len(seeds), len(modes)
     noise = torch.stack([torch.rand(iters, group, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
-                         for s in seeds]).repeat(M, 1, 1)  # [M*S, iters, G], row = (mode, seed)
-    uid = torch.arange(M * S).repeat_interleave(group)
-    theta = torch.zeros(M * S, arms, dtype=torch.float64)
-    hist = torch.empty(iters, M * S, dtype=torch.float64)
+                         for s in seeds]).repeat(M, 1, 1).to(device)  # [M*S, iters, G], row = (mode, seed)
+    uid = torch.arange(M * S, device=noise.device).repeat_interleave(group)
+    theta = torch.zeros(M * S, arms, dtype=torch.float64, device=noise.device)
+    hist = torch.empty(iters, M * S, dtype=torch.float64, device=noise.device)
     for it in range(iters):
         lp_old = torch.log_softmax(theta, -1)
         cdf = lp_old.exp().cumsum(-1)
@@ -292,7 +325,7 @@ def bandit_experiment(modes: Sequence[str] = ("mean_loo", "partition_loo"), *, a
         theta = th
         hist[it] = torch.softmax(theta, -1)[:, 0]
     idx = pd.MultiIndex.from_product([list(modes), [int(s) for s in seeds]], names=["mode", "seed"])
-    df = pd.DataFrame(hist.numpy(), columns=idx, index=pd.RangeIndex(1, iters + 1, name="iter"))
+    df = pd.DataFrame(hist.cpu().numpy(), columns=idx, index=pd.RangeIndex(1, iters + 1, name="iter"))
     return df.stack(["mode", "seed"], future_stack=True).rename("p_correct").reset_index()[["mode", "seed", "iter", "p_correct"]]
 
 # %% ../../nbs/rl/pmd_mean.ipynb #beb0cfed
@@ -300,25 +333,25 @@ from ..core.rl import LossTerms, RolloutBatch, Trainer, evaluate, register_advan
 
 # %% ../../nbs/rl/pmd_mean.ipynb #5b66373a
 def _per_token(a: Tensor, batch: RolloutBatch) -> Tensor:
-    """A per-sequence advantage spread over the response tokens (float32, 0 elsewhere)."""
+    """A per-sequence advantage a [rows] spread over the response tokens: [rows, T] float32 on the batch's device, 0 elsewhere."""
     return a.float()[:, None] * batch.resp_mask.float()
 
 
 @register_advantage("pmd_mean")
 def pmd_mean_advantage(batch: RolloutBatch, tau: float = 0.01, **_: Any) -> Tensor:
-    """PMD-mean: r_i minus the leave-one-out group mean (no std), on every response token."""
+    """PMD-mean: r_i minus the leave-one-out group mean (no std), [rows, T] float32 on every response token."""
     return _per_token(pmd_advantages(batch.reward.double(), batch.uid, tau, "mean_loo"), batch)
 
 
 @register_advantage("pmd_partition")
 def pmd_partition_advantage(batch: RolloutBatch, tau: float = 0.01, **_: Any) -> Tensor:
-    """PMD-part: r_i minus τ·log of the leave-one-out mean of exp(r/τ), on every response token."""
+    """PMD-part: r_i minus τ·log of the leave-one-out mean of exp(r/τ), [rows, T] float32 on every response token."""
     return _per_token(pmd_advantages(batch.reward.double(), batch.uid, tau, "partition_loo"), batch)
 
 
 @register_loss("pmd_mean")
 def pmd_mean_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, tau: float = 0.01, **_: Any) -> LossTerms:
-    """The PMD regression per sequence, (τ/2)(A_i/τ − Δ_i)²; aggregate with `seq-mean-token-mean`."""
+    """The PMD regression per sequence, per_seq [rows] = (τ/2)(A_i/τ − Δ_i)² (float32 at least); aggregate with `seq-mean-token-mean`."""
     per_seq, delta, lengths = pmd_seq_terms(logp, old_logp, adv, mask, tau)
     return LossTerms(per_seq=per_seq, metrics={"pmd_log_ratio": float(delta.detach().abs().mean())})
 
@@ -341,7 +374,7 @@ def pmd_trainer_kwargs(arm: str, *, staleness: int, prompts: int, tau: float | N
 def run_pmd_experiment(policy: Any, task: Any, arms: dict[str, dict], seeds: Sequence[int], *, steps: int,
                        eval_problems: Sequence[Any], eval_every: int, group_size: int = 8, max_new_tokens: int = 6,
                        temperature: float = 1.0) -> pd.DataFrame:
-    """Train every arm (Trainer kwargs) for `steps` optimizer steps per seed; one row per evaluation point."""
+    """Train every arm (Trainer kwargs) for `steps` optimizer steps per seed on the policy's device; one DataFrame row per evaluation point."""
     if not arms or not seeds:
         raise ValueError("arms/seeds: expected at least one arm and one seed")
     if not isinstance(steps, int) or steps < 1 or not isinstance(eval_every, int) or eval_every < 1:
@@ -381,3 +414,45 @@ def summarize_runs(curves: pd.DataFrame) -> pd.DataFrame:
                               mean_kl_old_new=float(d.kl_old_new.iloc[1:].mean()), rollouts=int(last.rollouts),
                               rollout_batches=int(last.rollout_batches), opt_steps=int(last.opt_steps), wall_s=last.wall_s))
     return curves.groupby(["arm", "seed"]).apply(one, include_groups=False).reset_index()
+
+# %% ../../nbs/rl/pmd_mean.ipynb #f145ddd6
+def tune_grid(score: Callable[[float], float], grid: Sequence[float], *, factor: float = math.sqrt(10),
+              max_extend: int = 2) -> tuple[float, pd.DataFrame]:
+    """Best value of `grid` by `score` (higher wins, ties to the smaller value); a best at an edge extends the grid.
+
+    While the best value is the smallest (largest) one tried, `value / factor` (`value * factor`) is scored too, at most
+    `max_extend` times; returns the best value and every (value, score, extension, chosen) row."""
+    vals = sorted(float(v) for v in grid)
+    if not vals or len(set(vals)) != len(vals) or min(vals) <= 0:
+        raise ValueError(f"grid: expected distinct positive values, got {grid!r}")
+    if not factor > 1 or not isinstance(max_extend, int) or max_extend < 0:
+        raise ValueError(f"factor={factor!r}, max_extend={max_extend!r}: expected factor > 1 and an int >= 0")
+    scores, extension = {v: float(score(v)) for v in vals}, {v: 0 for v in vals}
+    best = lambda: max(scores, key=lambda v: (scores[v], -v))
+    for k in range(1, max_extend + 1):
+        b, lo, hi = best(), min(scores), max(scores)
+        if len(scores) < 2 or lo < b < hi:
+            break
+        new = b / factor if b == lo else b * factor
+        scores[new], extension[new] = float(score(new)), k
+    b = best()
+    rows = [dict(value=v, score=scores[v], extension=extension[v], chosen=v == b) for v in sorted(scores)]
+    return b, pd.DataFrame(rows)
+
+
+def first_reach(curve: np.ndarray, level: float) -> int:
+    """Index of the first entry of a 1-D `curve` [iters] that is >= `level` (the last index if none is)."""
+    hit = np.nonzero(np.asarray(curve) >= level)[0]
+    return int(hit[0]) if hit.size else len(curve) - 1
+
+
+def matched_progress_std(a: np.ndarray, b: np.ndarray, level: float | None = None) -> dict[str, float]:
+    """Across-seed std of two arms' curves a, b [seeds, iters] where each arm's mean curve first reaches `level`.
+
+    By default the level is the lower of the two final means: the arm that ends higher is read where it first got there."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or min(a.shape[0], b.shape[0]) < 2:
+        raise ValueError(f"a/b: expected [seeds >= 2, iters] curves with equal iters, got {a.shape} and {b.shape}")
+    level = min(a[:, -1].mean(), b[:, -1].mean()) if level is None else float(level)
+    ia, ib = first_reach(a.mean(0), level), first_reach(b.mean(0), level)
+    return dict(level=float(level), iter_a=ia, iter_b=ib, std_a=float(a[:, ia].std(ddof=1)), std_b=float(b[:, ib].std(ddof=1)))
