@@ -73,7 +73,7 @@ _CSS = """
 <style>
 .kimi-board { border-collapse: collapse; width: 100%; table-layout: auto; font-size: 0.88em; }
 .kimi-board th, .kimi-board td { border-bottom: 1px solid #ddd; padding: 4px 6px; text-align: left; vertical-align: top;
-  white-space: normal; overflow-wrap: anywhere; }
+  white-space: normal; overflow-wrap: break-word; }
 .kimi-board th { background: #f4f4f4; }
 .kimi-board td.num { white-space: nowrap; font-variant-numeric: tabular-nums; }
 .kimi-board .kimi-id { color: #666; font-size: 0.85em; font-family: monospace; }
