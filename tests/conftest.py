@@ -15,16 +15,21 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 _DURATIONS = ROOT / "runs" / "ci-durations.jsonl"
 
 
-def pytest_sessionstart(session):
-    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist), once
-        _DURATIONS.unlink(missing_ok=True)
+def pytest_configure(config):
+    # one id per top-level run, inherited by xdist workers and by any pytest a test starts (bench/gpu_check.sh):
+    # the summary counts only this run's notebooks, and a nested run cannot wipe them
+    if not hasattr(config, "workerinput"):
+        import uuid
+        os.environ.setdefault("KIMI_PAPERS_TEST_SESSION", uuid.uuid4().hex)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     import json
     if hasattr(config, "workerinput") or not _DURATIONS.is_file():
         return
-    rows = [json.loads(line) for line in _DURATIONS.read_text().splitlines() if line.strip()]
+    session = os.environ.get("KIMI_PAPERS_TEST_SESSION")
+    rows = [r for r in (json.loads(line) for line in _DURATIONS.read_text().splitlines() if line.strip())
+            if r.get("session") == session]
     if rows:
         total = sum(r["seconds"] for r in rows)
         slow = sorted(rows, key=lambda r: -r["seconds"])[:5]

@@ -25,7 +25,8 @@ def test_notebook_smoke(book, tmp_path):
                        threads=1, timeout_s=4 * cfg["budget_s"])
     DURATIONS.parent.mkdir(exist_ok=True)
     with open(DURATIONS, "a") as fh:
-        fh.write(json.dumps({"notebook": book.slug, "seconds": round(res.seconds, 1), "ok": res.ok}) + "\n")
+        fh.write(json.dumps({"notebook": book.slug, "seconds": round(res.seconds, 1), "ok": res.ok,
+                             "session": os.environ.get("KIMI_PAPERS_TEST_SESSION", "")}) + "\n")
     print(f"\n[notebook] {book.slug}: {res.seconds:.1f} s (budget {cfg['budget_s']} s)")
     assert res.ok, f"{book.slug} failed at {res.error} (executed copy: {res.output})"
     assert res.seconds <= 1.5 * cfg["budget_s"], f"{book.slug} took {res.seconds:.0f} s, budget {cfg['budget_s']} s"
