@@ -496,6 +496,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                      'kimi_papers/core/rl/rollout.py'),
                                              'kimi_papers.core.rl.rollout.Policy.__post_init__': ( 'core/rl/rollout.html#policy.__post_init__',
                                                                                                    'kimi_papers/core/rl/rollout.py'),
+                                             'kimi_papers.core.rl.rollout.Policy._token_id': ( 'core/rl/rollout.html#policy._token_id',
+                                                                                               'kimi_papers/core/rl/rollout.py'),
                                              'kimi_papers.core.rl.rollout.Policy.bos_id': ( 'core/rl/rollout.html#policy.bos_id',
                                                                                             'kimi_papers/core/rl/rollout.py'),
                                              'kimi_papers.core.rl.rollout.Policy.decode': ( 'core/rl/rollout.html#policy.decode',

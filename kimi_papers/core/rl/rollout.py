@@ -65,32 +65,29 @@ class Policy:
         if self.eos_id is None:
             raise ValueError("tokenizer: needs an eos token id (eos_token_id or eos_id)")
 
-    @property
-    def eos_id(self) -> int | None:
-        """The tokenizer's end-of-sequence id (`eos_token_id` or `eos_id`)."""
-        for a in ("eos_token_id", "eos_id"):
+    def _token_id(self, kind: str) -> int | None:
+        """The tokenizer's `<kind>_token_id` (HF) or `<kind>_id` (ours), or None."""
+        for a in (f"{kind}_token_id", f"{kind}_id"):
             v = getattr(self.tokenizer, a, None)
             if v is not None:
                 return int(v)
         return None
+
+    @property
+    def eos_id(self) -> int | None:
+        """The tokenizer's end-of-sequence id (`eos_token_id` or `eos_id`)."""
+        return self._token_id("eos")
 
     @property
     def bos_id(self) -> int | None:
         """The tokenizer's beginning-of-sequence id, or None."""
-        for a in ("bos_token_id", "bos_id"):
-            v = getattr(self.tokenizer, a, None)
-            if v is not None:
-                return int(v)
-        return None
+        return self._token_id("bos")
 
     @property
     def pad_id(self) -> int:
         """The padding id: the tokenizer's, else EOS."""
-        for a in ("pad_token_id", "pad_id"):
-            v = getattr(self.tokenizer, a, None)
-            if v is not None:
-                return int(v)
-        return self.eos_id
+        pad = self._token_id("pad")
+        return self.eos_id if pad is None else pad
 
     @property
     def device(self) -> torch.device:
