@@ -26,9 +26,9 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $@
 
 # torch.compile's inductor cache is a build artefact like a compiled extension: fill it once (untimed)
-# by running the kernels notebook, so each notebook's smoke budget measures its own work, not compilation.
+# by running the token_stats notebook (the shared compiled kernels), so each notebook's smoke budget measures its own work, not compilation.
 warm: $(STAMP)
-	$(BIN)/kimi-papers run core.kernels --jobs 1 --quiet > /dev/null || $(BIN)/kimi-papers run core.kernels --jobs 1 --quiet
+	$(BIN)/kimi-papers run core.token_stats --jobs 1 --quiet > /dev/null || $(BIN)/kimi-papers run core.token_stats --jobs 1 --quiet
 
 test: warm  ## unit tests + every notebook through papermill (smoke) + docs build + browser test
 	$(BIN)/python -m pytest -n $(JOBS) -m "not slow" --durations=0 -q -rs

@@ -4,12 +4,12 @@ For N tokens of bf16 logits at each vocabulary size V it times, forward and forw
 
 - eager          float32 log_softmax over the full logits + gather + entropy
 - torch.compile  the same function through plain torch.compile
-- fused          kimi_papers.core.kernels.token_stats_from_logits (log p, entropy and sum pi^2)
+- fused          kimi_papers.core.token_stats.token_stats_from_logits (log p, entropy and sum pi^2)
 - read once      one float32-accumulating sum over the logits (forward only): the memory-traffic floor
 - eager + head / fused + head (unless --no-head): the same from hidden states [N, d] and an LM head [V, d]
 
 and reports median / IQR milliseconds and extra peak memory (CUDA: max_memory_allocated delta; CPU: the
-profiler's tensor allocations, see the kernels notebook). The arms are timed in --rounds round-robin rounds,
+profiler's tensor allocations, see the token_stats notebook). The arms are timed in --rounds round-robin rounds,
 each the median of --repeat calls; ratios (speed-ups, peak / logits) are computed per round and summarised as
 the mean with a 95% t-interval over rounds. It prints a table and writes JSON (--out): one row per arm and
 round, a summary per arm, and the goals with their intervals.
@@ -36,10 +36,10 @@ if str(ROOT) not in sys.path:  # runnable from a plain checkout, without `pip in
 
 import torch  # noqa: E402
 
-from kimi_papers.core.kernels import (benchmark_rows, compile_fn, compiled_ran, device_name,  # noqa: E402
-                                      logp_entropy_eager, token_stats, token_stats_from_logits)
+from kimi_papers.core.kernels import benchmark_rows, compile_fn, compiled_ran, device_name  # noqa: E402
+from kimi_papers.core.token_stats import logp_entropy_eager, token_stats, token_stats_from_logits  # noqa: E402
 
-GOALS_MS = {49152: 0.6, 151936: 1.8}          # fused forward on an H200 at N = 16,384 bf16 (issue 3)
+GOALS_MS = {49152: 0.6, 151936: 1.8}          # fused forward on an H200 at N = 16,384 bf16
 HEAD_DIM = {49152: 576, 151936: 896}          # SmolLM2-135M and Qwen2.5-0.5B hidden sizes
 PEAK_GOAL = 0.10                              # extra peak memory / logits bytes
 

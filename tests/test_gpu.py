@@ -36,7 +36,8 @@ def _problem(n: int, V: int, d: int, seed: int = 0):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("V", [1021, 2500])   # a tail block only; full blocks and a tail (each one triton compile)
 def test_token_stats_forward_matches_float64_on_cuda(dtype, tol, V):
-    from kimi_papers.core.kernels import _stats_compiled, compiled_ran, token_stats, token_stats_from_logits, token_stats_reference
+    from kimi_papers.core.kernels import compiled_ran
+    from kimi_papers.core.token_stats import _stats_compiled, token_stats, token_stats_from_logits, token_stats_reference
     h, W, t = _problem(300, V, 64)
     h, W = h.to(dtype), W.to(dtype)
     ours, ref = token_stats(h, W, t, chunk=128), token_stats_reference(h, W, t)
@@ -51,7 +52,8 @@ def test_token_stats_forward_matches_float64_on_cuda(dtype, tol, V):
 
 @pytest.mark.parametrize("variant", ["head", "logits"])
 def test_token_stats_backward_matches_autograd_through_float64_on_cuda(variant):
-    from kimi_papers.core.kernels import STATS, _grad_compiled, _grad_into_compiled, compiled_ran, token_stats, \
+    from kimi_papers.core.kernels import compiled_ran
+    from kimi_papers.core.token_stats import STATS, _grad_compiled, _grad_into_compiled, token_stats, \
         token_stats_from_logits, token_stats_reference
     h, W, t = _problem(1500, 2500, 64)
     w = torch.randn(3, 1500, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(CUDA)
@@ -73,7 +75,8 @@ def test_token_stats_backward_matches_autograd_through_float64_on_cuda(variant):
 
 def test_chunk_none_memory_on_cuda():
     """Compiled: extra peak below 10% of the logits; with compilation off it must chunk (below 0.75x, not ~4.25x)."""
-    from kimi_papers.core.kernels import compile_info, _stats_compiled, peak_extra_bytes, token_stats_from_logits
+    from kimi_papers.core.kernels import compile_info, peak_extra_bytes
+    from kimi_papers.core.token_stats import _stats_compiled, token_stats_from_logits
     g = torch.Generator().manual_seed(2)
     z = (torch.randn(16384, 2048, generator=g) * 2).to(CUDA)           # 128 MiB of float32 logits
     t = torch.randint(0, 2048, (16384,), generator=g).to(CUDA)
@@ -88,7 +91,8 @@ def test_chunk_none_memory_on_cuda():
 
 
 def test_sampling_on_cuda_is_the_eager_result_and_device_independent():
-    from kimi_papers.core.kernels import _sample_compiled, compiled_ran, gumbel_noise, sample_next
+    from kimi_papers.core.kernels import compiled_ran
+    from kimi_papers.core.token_stats import _sample_compiled, gumbel_noise, sample_next
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(64, 1021, generator=g) * 3).to(CUDA)
     noise = gumbel_noise((64, 1021), generator=torch.Generator().manual_seed(4), device=CUDA)

@@ -79,7 +79,8 @@ def test_bench_small_cpu_run_writes_json(tmp_path):
 
 REAL_SHAPE_SCRIPT = """
 import torch
-from kimi_papers.core.kernels import token_stats, token_stats_from_logits, token_stats_reference, compiled_ran, _stats_compiled
+from kimi_papers.core.kernels import compiled_ran
+from kimi_papers.core.token_stats import token_stats, token_stats_from_logits, token_stats_reference, _stats_compiled
 g = torch.Generator().manual_seed(0)
 n, V, d = 64, 49152, 576  # SmolLM2-135M's vocabulary and hidden size
 h32, W32 = torch.randn(n, d, generator=g), torch.randn(V, d, generator=g) * (2.0 / d ** 0.5)
@@ -113,6 +114,7 @@ import warnings  # noqa: E402
 import torch  # noqa: E402
 
 from kimi_papers.core import kernels as K  # noqa: E402
+from kimi_papers.core import token_stats as TS  # noqa: E402
 
 
 def _logits(n: int, V: int, seed: int = 0, scale: float = 2.0, dtype=torch.float64):
@@ -120,7 +122,7 @@ def _logits(n: int, V: int, seed: int = 0, scale: float = 2.0, dtype=torch.float
     return (torch.randn(n, V, generator=g, dtype=torch.float64) * scale).to(dtype), torch.randint(0, V, (n,), generator=g)
 
 
-def _max_rel(ours: K.TokenStats, ref: K.TokenStats) -> dict[str, float]:
+def _max_rel(ours: TS.TokenStats, ref: TS.TokenStats) -> dict[str, float]:
     return {k: ((v.double() - getattr(ref, k)).abs() / getattr(ref, k).abs().clamp_min(1e-300)).max().item()
             for k, v in ours.as_dict().items()}
 
@@ -161,35 +163,35 @@ def test_chunk_none_chunks_when_the_compiled_kernel_does_not_run():
     z, t = _logits(8192, 512, dtype=torch.float32)                     # 16 MiB of logits
     with torch.compiler.set_stance("force_eager"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        c0 = K.compile_info(K._stats_compiled)["calls"]
-        st = K.token_stats_from_logits(z, t)
-        calls = K.compile_info(K._stats_compiled)["calls"] - c0
-        assert not K.compiled_ran(K._stats_compiled)
-        fwd_peak = _peak_ratio(lambda: K.token_stats_from_logits(z, t), z)
+        c0 = K.compile_info(TS._stats_compiled)["calls"]
+        st = TS.token_stats_from_logits(z, t)
+        calls = K.compile_info(TS._stats_compiled)["calls"] - c0
+        assert not K.compiled_ran(TS._stats_compiled)
+        fwd_peak = _peak_ratio(lambda: TS.token_stats_from_logits(z, t), z)
         zl = z.clone().requires_grad_()
-        loss = sum(v.sum() for v in K.token_stats_from_logits(zl, t).as_dict().values())
-        b0 = K.compile_info(K._grad_into_compiled)["calls"]
+        loss = sum(v.sum() for v in TS.token_stats_from_logits(zl, t).as_dict().values())
+        b0 = K.compile_info(TS._grad_into_compiled)["calls"]
         bwd_peak = _peak_ratio(loss.backward, z)
-        bwd_calls = K.compile_info(K._grad_into_compiled)["calls"] - b0
+        bwd_calls = K.compile_info(TS._grad_into_compiled)["calls"] - b0
     assert calls == 8, f"expected a 1,024-row probe and 7 chunks of 1,024 rows, got {calls} kernel call(s)"
     assert fwd_peak < 0.75, f"eager forward peaked at {fwd_peak:.2f}x the logits (one eager pass: ~4.25x)"
     assert bwd_calls == 8 and bwd_peak < 2.5, (bwd_calls, bwd_peak)          # one eager pass: ~9x
-    ref = K.token_stats_reference(z, None, t)
+    ref = TS.token_stats_reference(z, None, t)
     assert max(_max_rel(st, ref).values()) < 1e-5
 
 
 def test_chunk_none_takes_one_pass_when_the_compiled_kernel_runs():
     """Compiled: a probe chunk, then the rest in one call, and the same numbers as the reference."""
     z, t = _logits(2500, 1021, dtype=torch.float32)
-    c0 = K.compile_info(K._stats_compiled)["calls"]
-    st = K.token_stats_from_logits(z, t)
-    assert K.compiled_ran(K._stats_compiled) and K.compile_info(K._stats_compiled)["calls"] - c0 == 2
-    assert max(_max_rel(st, K.token_stats_reference(z, None, t)).values()) < 1e-5
+    c0 = K.compile_info(TS._stats_compiled)["calls"]
+    st = TS.token_stats_from_logits(z, t)
+    assert K.compiled_ran(TS._stats_compiled) and K.compile_info(TS._stats_compiled)["calls"] - c0 == 2
+    assert max(_max_rel(st, TS.token_stats_reference(z, None, t)).values()) < 1e-5
 
 
 @pytest.mark.parametrize("n,chunk", [(1, 1), (7, 3), (10, 10), (1000, 7), (1025, 1024), (3, 5), (0, 4)])
 def test_chunks_partition_the_rows_in_balanced_slices(n, chunk):
-    sl = K._chunks(n, chunk, start=5)
+    sl = TS._chunks(n, chunk, start=5)
     rows = [i for s in sl for i in range(s.start, s.stop)]
     assert rows == list(range(5, 5 + n))                                        # every row once, in order
     sizes = [s.stop - s.start for s in sl]
@@ -204,7 +206,7 @@ def test_adaptive_rows_cover_every_row_once(n):
         seen.clear()
         kernel = K.compile_fn(lambda x: x)
         kernel.compile_state.last_compiled = compiled_ok
-        K._over_rows(lambda s: seen.extend(range(s.start, s.stop)), n, None, kernel)
+        TS._over_rows(lambda s: seen.extend(range(s.start, s.stop)), n, None, kernel)
         assert seen == list(range(n)), (n, compiled_ok)
 
 
@@ -218,20 +220,20 @@ def test_each_statistic_matches_the_float64_reference(V, variant):
     t[7] = 1
     if variant == "logits":
         for chunk in (None, 1, 7, 23):
-            err = _max_rel(K.token_stats_from_logits(z, t, chunk=chunk, compiled=False), K.token_stats_reference(z, None, t))
+            err = _max_rel(TS.token_stats_from_logits(z, t, chunk=chunk, compiled=False), TS.token_stats_reference(z, None, t))
             assert all(e < 1e-8 for e in err.values()), (chunk, err)
     else:
         g = torch.Generator().manual_seed(1)
         h, W = torch.randn(23, 16, generator=g, dtype=torch.float64), torch.randn(V, 16, generator=g, dtype=torch.float64)
         for chunk in (1, 7, 23):
-            err = _max_rel(K.token_stats(h, W, t, chunk=chunk, compiled=False), K.token_stats_reference(h, W, t))
+            err = _max_rel(TS.token_stats(h, W, t, chunk=chunk, compiled=False), TS.token_stats_reference(h, W, t))
             assert all(e < 1e-8 for e in err.values()), (chunk, err)
 
 
 def test_hand_computed_statistics():
     """z = log([0.5, 0.25, 0.25]) + c: log p, H = 1.5 ln 2 and Σπ² = 0.375 exactly; a shift changes nothing."""
     z = torch.tensor([[0.5, 0.25, 0.25], [0.5, 0.25, 0.25]], dtype=torch.float64).log() + torch.tensor([[0.0], [40.0]], dtype=torch.float64)
-    st = K.token_stats_from_logits(z, torch.tensor([0, 2]), compiled=False)
+    st = TS.token_stats_from_logits(z, torch.tensor([0, 2]), compiled=False)
     assert torch.allclose(st.logp, torch.tensor([math.log(0.5), math.log(0.25)], dtype=torch.float64), atol=1e-12)
     assert torch.allclose(st.entropy, torch.full((2,), 1.5 * math.log(2), dtype=torch.float64), atol=1e-12)
     assert torch.allclose(st.sum_pi2, torch.full((2,), 0.375, dtype=torch.float64), atol=1e-12)
@@ -245,15 +247,15 @@ def test_each_gradient_term_matches_autograd_through_the_reference(which, varian
     w = torch.randn(19, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     if variant == "logits":
         a, r = z.clone().requires_grad_(), z.clone().requires_grad_()
-        (getattr(K.token_stats_from_logits(a, t, chunk=4, compiled=False), which) * w).sum().backward()
-        (getattr(K.token_stats_reference(r, None, t), which) * w).sum().backward()
+        (getattr(TS.token_stats_from_logits(a, t, chunk=4, compiled=False), which) * w).sum().backward()
+        (getattr(TS.token_stats_reference(r, None, t), which) * w).sum().backward()
         pairs = [(a.grad, r.grad)]
     else:
         g = torch.Generator().manual_seed(4)
         h, W = torch.randn(19, 8, generator=g, dtype=torch.float64), torch.randn(2500, 8, generator=g, dtype=torch.float64)
         ha, Wa, hr, Wr = (x.clone().requires_grad_() for x in (h, W, h, W))
-        (getattr(K.token_stats(ha, Wa, t, chunk=4, compiled=False), which) * w).sum().backward()
-        (getattr(K.token_stats_reference(hr, Wr, t), which) * w).sum().backward()
+        (getattr(TS.token_stats(ha, Wa, t, chunk=4, compiled=False), which) * w).sum().backward()
+        (getattr(TS.token_stats_reference(hr, Wr, t), which) * w).sum().backward()
         pairs = [(ha.grad, hr.grad), (Wa.grad, Wr.grad)]
     for ours, ref in pairs:
         assert ((ours - ref).norm() / ref.norm()).item() < 1e-10, which
@@ -263,31 +265,31 @@ def test_sample_next_keeps_exactly_the_nucleus():
     """probs 0.5/0.3/0.15/0.05: top_p=0.5 keeps token 0 only (mass before token 1 is 0.5, not < 0.5); 0.75 keeps two."""
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().repeat(2, 1)
     noise = torch.tensor([0.0, 5.0, 10.0, 20.0]).repeat(2, 1)                   # noise favours the tail
-    assert K.sample_next(logits, 1.0, 0.5, noise, compiled=False).tolist() == [0, 0]
-    assert K.sample_next(logits, 1.0, 0.75, noise, compiled=False).tolist() == [1, 1]
-    assert K.sample_next(logits, 1.0, 0.9, noise, compiled=False).tolist() == [2, 2]
-    assert K.sample_next(logits, 1.0, 1.0, noise, compiled=False).tolist() == [3, 3]
+    assert TS.sample_next(logits, 1.0, 0.5, noise, compiled=False).tolist() == [0, 0]
+    assert TS.sample_next(logits, 1.0, 0.75, noise, compiled=False).tolist() == [1, 1]
+    assert TS.sample_next(logits, 1.0, 0.9, noise, compiled=False).tolist() == [2, 2]
+    assert TS.sample_next(logits, 1.0, 1.0, noise, compiled=False).tolist() == [3, 3]
     # temperature -> 0 makes it greedy whatever the (bounded) noise; a huge temperature lets the noise decide
-    assert K.sample_next(logits, 1e-3, 1.0, noise.clamp(max=1.0), compiled=False).tolist() == [0, 0]
-    assert K.sample_next(logits, 1e3, 1.0, noise, compiled=False).tolist() == [3, 3]
+    assert TS.sample_next(logits, 1e-3, 1.0, noise.clamp(max=1.0), compiled=False).tolist() == [0, 0]
+    assert TS.sample_next(logits, 1e3, 1.0, noise, compiled=False).tolist() == [3, 3]
 
 
 def test_gumbel_max_draws_from_the_softmax():
     """Empirical frequencies of argmax(z + Gumbel) match softmax(z) (binomial sd < 0.004 at 20,000 draws)."""
     g = torch.Generator().manual_seed(0)
     z = torch.tensor([1.0, 0.0, -1.0, 0.5, 2.0])
-    noise = K.gumbel_noise((20000, 5), generator=g)
+    noise = TS.gumbel_noise((20000, 5), generator=g)
     assert noise.dtype == torch.float32 and noise.device.type == "cpu"
-    freq = torch.bincount(K.sample_next(z.repeat(20000, 1), 1.0, 1.0, noise, compiled=False), minlength=5) / 20000
+    freq = torch.bincount(TS.sample_next(z.repeat(20000, 1), 1.0, 1.0, noise, compiled=False), minlength=5) / 20000
     assert (freq - torch.softmax(z, -1)).abs().max() < 0.015, freq
     # mean and variance of the standard Gumbel: Euler-Mascheroni and pi^2/6
     assert abs(noise.mean().item() - 0.5772) < 0.02 and abs(noise.var().item() - math.pi ** 2 / 6) < 0.06
 
 
 def test_gumbel_noise_is_the_same_numbers_whatever_the_target_device():
-    a = K.gumbel_noise((3, 4), generator=torch.Generator().manual_seed(5))
-    b = K.gumbel_noise((3, 4), generator=torch.Generator().manual_seed(5), device="cpu")
-    assert torch.equal(a, b) and not torch.equal(a, K.gumbel_noise((3, 4), generator=torch.Generator().manual_seed(6)))
+    a = TS.gumbel_noise((3, 4), generator=torch.Generator().manual_seed(5))
+    b = TS.gumbel_noise((3, 4), generator=torch.Generator().manual_seed(5), device="cpu")
+    assert torch.equal(a, b) and not torch.equal(a, TS.gumbel_noise((3, 4), generator=torch.Generator().manual_seed(6)))
 
 
 def test_benchmark_rounds_are_round_robin_and_validated():
@@ -315,9 +317,10 @@ def test_gpu_check_script_skips_cleanly_without_cuda(tmp_path):
 
 
 def test_kernels_create_tensors_on_their_inputs_device():
-    """Device safety by inspection: every torch factory call in kernels names a device, except two CPU-only helpers."""
+    """Device safety by inspection: every torch factory call in kernels and token_stats names a device, except two CPU-only helpers."""
     import ast
-    tree = ast.parse((ROOT / "kimi_papers" / "core" / "kernels.py").read_text())
+    tree = ast.Module(body=[n for f in ("kernels.py", "token_stats.py")
+                            for n in ast.parse((ROOT / "kimi_papers" / "core" / f).read_text()).body], type_ignores=[])
     factories = {"tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "linspace", "as_tensor", "eye"}
     cpu_only = {"_prime_profiler", "_timed_median"}       # the profiler's priming tensor; host-side timing statistics
     missing = []

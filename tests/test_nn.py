@@ -8,6 +8,7 @@ import torch
 
 from kimi_papers.core import flops as FL
 from kimi_papers.core import nn as N
+from kimi_papers.core import train as TR
 
 def needs_cuda(fn):
     """Marked `gpu` (run by `pytest -m gpu`, see bench/gpu_check.sh) and skipped without CUDA."""
@@ -33,8 +34,8 @@ def test_train_counts_analytic_flops_and_tokens():
                      top_k=2, d_expert=16)
     torch.manual_seed(0)
     lm = N.CausalLM(cfg)
-    batch = next(N.stdlib_corpus(100_000).batches(3, 20, seed=0))
-    res = N.train(lm, itertools.repeat(batch), 5, log_every=2)
+    batch = next(TR.stdlib_corpus(100_000).batches(3, 20, seed=0))
+    res = TR.train(lm, itertools.repeat(batch), 5, log_every=2)
     assert res.flops == 5 * FL.model_cost(lm, 3, 20).train_flops and res.tokens == 5 * 3 * 20
     assert res.history["step"].tolist() == [0, 2, 4] and (res.history["lb"] > 0).all()
 
@@ -43,14 +44,14 @@ def test_masked_lm_learns_and_masks():
     cfg = N.LMConfig(vocab=256, d_model=32, n_layers=2, n_heads=2, max_len=64, d_ff=64)
     torch.manual_seed(0)
     mlm = N.MaskedLM(cfg)
-    batch = next(N.stdlib_corpus(100_000).batches(4, 32, seed=0))[:, :32]
+    batch = next(TR.stdlib_corpus(100_000).batches(4, 32, seed=0))[:, :32]
     g = torch.Generator().manual_seed(0)
-    res = N.train(mlm, itertools.repeat(batch), 40, lr=1e-2, schedule="constant",
-                  loss_fn=lambda m, b: N.masked_lm_loss(m, b, 0.3, g))
+    res = TR.train(mlm, itertools.repeat(batch), 40, lr=1e-2, schedule="constant",
+                  loss_fn=lambda m, b: TR.masked_lm_loss(m, b, 0.3, g))
     assert res.final_loss < 0.5 * res.history["loss"].iloc[0]
     assert res.tokens == 40 * 4 * 32 and res.flops == 40 * FL.model_cost(mlm, 4, 32).train_flops
     with pytest.raises(ValueError, match="mask_prob"):
-        N.masked_lm_loss(mlm, batch, 0.0)
+        TR.masked_lm_loss(mlm, batch, 0.0)
 
 
 def test_custom_mixer_plugs_in_and_is_counted():
@@ -86,18 +87,18 @@ def test_gpu_blocks_match_cpu_and_cache_decodes():
         cache = gpu.new_cache()
         inc = torch.cat([gpu(ids[:, :16].cuda(), cache, 0)] + [gpu(ids[:, t:t + 1].cuda(), cache, t) for t in range(16, 24)], 1)
         assert torch.allclose(inc, full, atol=1e-4) and cache[0]["k"].device.type == "cuda"
-    res = N.train(gpu, N.stdlib_corpus(100_000).batches(4, 32, device="cuda"), 3)
+    res = TR.train(gpu, TR.stdlib_corpus(100_000).batches(4, 32, device="cuda"), 3)
     assert math.isfinite(res.final_loss)
-    loss, _ = N.masked_lm_loss(N.MaskedLM(cfg).cuda(), ids.cuda(), 0.3, None)
+    loss, _ = TR.masked_lm_loss(N.MaskedLM(cfg).cuda(), ids.cuda(), 0.3, None)
     assert loss.device.type == "cuda"
 
 
 def test_progress_bar_quiet_headless_and_shown_on_request(capfd):
     cfg = N.LMConfig(vocab=256, d_model=16, n_layers=1, n_heads=2, max_len=32, d_ff=16)
-    batch = next(N.stdlib_corpus(50_000).batches(2, 8, seed=0))
-    N.train(N.CausalLM(cfg), itertools.repeat(batch), 3, count_flops=False)  # KIMI_PAPERS_HEADLESS=1 (conftest)
+    batch = next(TR.stdlib_corpus(50_000).batches(2, 8, seed=0))
+    TR.train(N.CausalLM(cfg), itertools.repeat(batch), 3, count_flops=False)  # KIMI_PAPERS_HEADLESS=1 (conftest)
     assert "train" not in capfd.readouterr().err
-    N.train(N.CausalLM(cfg), itertools.repeat(batch), 3, count_flops=False, progress=True, desc="visible-bar")
+    TR.train(N.CausalLM(cfg), itertools.repeat(batch), 3, count_flops=False, progress=True, desc="visible-bar")
     assert "visible-bar" in capfd.readouterr().err
 
 
@@ -107,7 +108,7 @@ def test_bad_arguments_name_the_parameter():
     for kw, match in [(dict(steps=0), "steps=0"), (dict(schedule="linear"), "schedule='linear'"),
                       (dict(warmup=0.9, decay=0.2, schedule="wsd"), "warmup=0.9, decay=0.2")]:
         with pytest.raises(ValueError, match=match):
-            N.train(lm, itertools.repeat(batch), **{"steps": 2, **kw})
+            TR.train(lm, itertools.repeat(batch), **{"steps": 2, **kw})
     with pytest.raises(ValueError, match="top_k=3"):
         N.MoE(8, 2, 3, 4)
     with pytest.raises(ValueError, match="impl='flash'"):
@@ -126,16 +127,16 @@ def test_unregistered_block_flops_measured_on_the_first_step_without_side_effect
             return self.w(x.cumsum(1) / torch.arange(1, x.shape[1] + 1)[:, None])
 
     cfg = N.LMConfig(vocab=256, d_model=16, n_layers=2, n_heads=2, max_len=32, d_ff=24)
-    batch = next(N.stdlib_corpus(50_000).batches(2, 12, seed=0))
+    batch = next(TR.stdlib_corpus(50_000).batches(2, 12, seed=0))
     runs = []
     for count in (True, False):
         torch.manual_seed(0)
         lm = N.CausalLM(cfg, mixer=lambda c, i: Mean(c.d_model))
-        runs.append((lm, N.train(lm, itertools.repeat(batch), 3, count_flops=count)))
+        runs.append((lm, TR.train(lm, itertools.repeat(batch), 3, count_flops=count)))
     (a, ra), (b, rb) = runs
     # counting runs step 0 under FlopCounterMode (its dispatch may change the last bit), nothing else differs
     assert all(torch.allclose(p, q, rtol=0, atol=1e-6) for p, q in zip(a.parameters(), b.parameters()))
     torch.manual_seed(0)
     fresh = N.CausalLM(cfg, mixer=lambda c, i: Mean(c.d_model))
-    one = FL.measured_flops(lambda: N.lm_loss(fresh, batch)[0], backward=True)
+    one = FL.measured_flops(lambda: TR.lm_loss(fresh, batch)[0], backward=True)
     assert one > 0 and ra.flops == 3 * one and np.isnan(rb.flops)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kimi_papers.core.nn import stdlib_corpus
+from kimi_papers.core.train import stdlib_corpus
 from kimi_papers.serving.spec_md import (
     BeladyCache, FIFOCache, HardwareModel, LayerAwareLeastStaleCache, LeastStaleCache, LFRUCache, LFUCache, LRUCache,
     PrefetchPlan, Trace, access_sequence, capacity_slots, load_trace, make_policy, olmoe_hardware, oracle_prefetch,

@@ -17,7 +17,8 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ..core.kernels import compile_fn, token_stats, token_stats_from_logits
+from ..core.kernels import compile_fn
+from ..core.token_stats import token_stats, token_stats_from_logits
 from ..core.rl import (ADVANTAGES, HiddenStates, Policy, Problem, RolloutBatch, Task, Trainer, aggregate,
                                  position_ids,
                                  generate, register_advantage, sequence_stats, tiny_policy)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..core.io import atomic_write, atomic_write_text
-from ..core.nn import CausalLM, Corpus, LMConfig, lm_loss, stdlib_corpus, train
+from ..core.nn import CausalLM, LMConfig
+from ..core.train import Corpus, lm_loss, stdlib_corpus, train
 
 # %% auto #0
 __all__ = ['TRACE_MODEL', 'LOOKAHEAD_TOP', 'ROUTING_LOG_FORMAT', 'PREFETCH_MODES', 'trace_model_config', 'trace_model',

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..kernels import gumbel_noise, sample_next, token_stats, token_stats_from_logits
+from ..token_stats import gumbel_noise, sample_next, token_stats, token_stats_from_logits
 
 # %% auto #0
 __all__ = ['HiddenStates', 'Policy', 'as_policy', 'position_ids', 'sequence_stats', 'RolloutBatch', 'generate', 'scripted_policy']
