@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 from .config import SettingsError, check_profile, ledger_dir, project_root, runs_dir, settings
 from .board import board
+from .io import atomic_write
 from .ledger import adopt, atomic_write_text, load_results
 from .runner import PAPER_FOLDERS, Parameter, RunResult, Stopper, Workbook, alive, check_params
 from .runner import failed_cell, kill_tree, mark_incomplete, notebook_parameters, papermill_warnings
@@ -221,13 +222,11 @@ def run_many(books: Sequence[Workbook], profile: str = "smoke", params: dict[str
 def adopt_executed(executed: Path, target: Path) -> None:
     """Replace a committed notebook by its executed copy (atomically), cleaned the way nbdev-clean does."""
     from nbdev.clean import nbdev_clean
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.copyfile(executed, tmp)
-    try:
+
+    def _write(tmp: Path) -> None:
+        shutil.copyfile(executed, tmp)
         nbdev_clean(fname=str(tmp))
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_write(target, _write)
 
 
 def summary(results: Sequence[RunResult]) -> str:
