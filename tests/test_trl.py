@@ -1,4 +1,4 @@
-"""kimi_papers.integrations.trl: PMD-mean and OTB inside TRL's GRPOTrainer.
+"""kimi_papers.integrations.trl: PMD-mean, OTB and the Entropy-Discrepancy schedule inside TRL's GRPOTrainer.
 
 The pure helpers are tested always; the trainer tests need the optional extra (pip install 'kimi_papers[trl]')
 and are skipped, with that reason, without it. Each trainer runs two real GRPOTrainer steps on a tiny random
@@ -257,3 +257,74 @@ def test_pmd_with_reused_rollouts_sees_the_log_ratio():
     tr.train()
     ratios = [h["pmd/log_ratio"] for h in tr.state.log_history if "pmd/log_ratio" in h]
     assert len(ratios) == 2 and ratios[0] == 0.0 and abs(ratios[1]) > 1e-6, ratios
+
+
+# ---- Entropy Discrepancy: TRL's loss with the scheduled entropy coefficient ----------------------------------------
+def completion_entropy(model, batch):
+    """Token entropy [rows, T] float64 of the completion tokens from the model's ordinary forward (full logits)."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    att = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    P, T = batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids, attention_mask=att).logits[:, P - 1:P - 1 + T].double(), -1)
+    return -(lp.exp() * lp).sum(-1) * batch["completion_mask"]
+
+
+@needs_trl
+@pytest.mark.parametrize("device", DEVICES)
+def test_ed_two_steps_follow_the_schedule(device):
+    """Two GRPOTrainer steps: the ED used equals one recomputed from full logits; TRL logs the scheduled coefficient."""
+    from kimi_papers.rl.entropy_discrepancy import EDScheduler, entropy_discrepancy
+    gaps = []
+
+    class Checked(kt.EDGRPOTrainer):
+        def apply_ed_schedule(self, out, rpf):
+            alpha = super().apply_ed_schedule(out, rpf)
+            r = kt.trl_rewards(rpf, self.reward_weights).double()
+            lp, _ = plain_token_stats(self.model, out)
+            ed = entropy_discrepancy(lp, None, out["completion_mask"], r,
+                                     torch.arange(len(r), device=r.device) // self.num_generations)
+            gaps.append(abs(ed - self.ed_trace[-1]["ed"]))
+            return alpha
+
+    tr = make_trainer(Checked, device, ed_schedule="switch", alpha_max=0.3, delta=0.0)
+    tr.train()
+    logged = [h["entropy_coef"] for h in tr.state.log_history if "entropy_coef" in h]
+    want = EDScheduler("switch", 0.3, delta=0.0)
+    assert tr.state.global_step == 2 and len(gaps) == 2 and max(gaps) < 1e-5, gaps
+    assert [want.update(t["ed"]) for t in tr.ed_trace] == [t["alpha_applied"] for t in tr.ed_trace]
+    assert logged == pytest.approx([t["alpha_applied"] for t in tr.ed_trace]) and all(abs(a) == 0.3 for a in logged)
+    assert all(math.isfinite(h["loss"]) for h in tr.state.log_history if "loss" in h)
+
+
+@needs_trl
+@pytest.mark.parametrize("kind", ["surprisal", "entropy"])
+def test_ed_same_batch_same_loss_as_the_core(kind):
+    """On a fixed batch TRL's loss (dapo = token-mean PPO-clip, plus its entropy term) equals the core's loss parts."""
+    from kimi_papers.rl.entropy_discrepancy import EDScheduler, entropy_bonus_loss, entropy_discrepancy
+    tr = make_trainer("EDGRPOTrainer", alpha_max=0.5, ed_kind=kind)
+    tr.model.eval()
+    batch, rpf = fixed_batch()
+    lp, _ = plain_token_stats(tr.model, batch)
+    H, m = completion_entropy(tr.model, batch), batch["completion_mask"].double()
+    old = (lp + 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)).clamp(max=0) * m
+    alpha = tr.apply_ed_schedule(batch, rpf)
+    ed = entropy_discrepancy(lp, H, m, rpf[:, 0].double(), torch.arange(8) // 4, kind=kind)
+    assert alpha == pytest.approx(EDScheduler("linear", 0.5).update(ed), abs=1e-6) and alpha != 0  # float32 stats in TRL
+    adv = grpo_advantage(rpf[:, 0])
+    loss = tr.compute_loss(tr.model, dict(batch, old_per_token_logps=old.float(), advantages=adv)).item()
+    pg = aggregate(ppo_clip_loss(lp, old, adv.double()[:, None] * m, m, clip_eps=0.2).per_token, m, "token-mean")
+    core = float(pg + entropy_bonus_loss(H, m, alpha))
+    assert abs(loss - core) <= 1e-6 * abs(core) + 1e-7, (loss, core)
+    assert abs(float(pg) - core) > 1e-3 * abs(core)  # the entropy term is visible at this tolerance
+
+
+@needs_trl
+def test_ed_bad_settings_raise():
+    for args in (dict(entropy_coef=0.01), dict(use_adaptive_entropy=True)):
+        with pytest.raises(ValueError, match="entropy_coef=0.0"):
+            make_trainer("EDGRPOTrainer", args=args)
+    with pytest.raises(ValueError, match="alpha_max"):
+        make_trainer("EDGRPOTrainer", alpha_max=-1.0)
+    with pytest.raises(ValueError, match="ed_kind"):
+        make_trainer("EDGRPOTrainer", ed_kind="kl")
