@@ -441,7 +441,7 @@ def _lora_ffn_cost(mod: LoRAFFN, batch: int, T: int, start: int, use_routing: bo
 
 
 def with_lora(seed_lm: CausalLM, rank: int = 16, alpha: float = 32.0) -> CausalLM:
-    """A copy of the seed model whose FFNs are `LoRAFFN`s; only the LoRA factors are trainable."""
+    """A copy of the seed model whose FFNs are `LoRAFFN` modules; only the LoRA factors are trainable."""
     lm = copy.deepcopy(seed_lm)
     for p in lm.parameters():
         p.requires_grad_(False)
