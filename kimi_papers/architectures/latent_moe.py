@@ -15,10 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.config import check_int
 from ..core.flops import Cost, linear_cost, mlp_cost, moe_cost, register_cost
 from ..core.kernels import compile_fn
 from ..core.nn import MLP, CausalLM, LMConfig, Routing, load_balancing_loss, router_z_loss
-from ..core.nn import _act as expert_act  # core's activation: SwiGLU on a gate|up split, or ReLU²
+from ..core.nn import activation as expert_act  # core's activation: SwiGLU on a gate|up split, or ReLU²
 from ..core.train import Corpus, TrainResult, cosine_lr, lm_loss, train
 
 # %% auto #0
@@ -30,12 +31,6 @@ __all__ = ['ACTS', 'VARIANTS', 'KERNELS', 'LatentMoEConfig', 'active_macs', 'mat
 # %% ../../nbs/architectures/latent_moe.ipynb #41ae02d1
 ACTS = ("relu2", "swiglu")
 VARIANTS = ("acc", "eff")
-
-
-def _posint(name: str, v, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name}={v!r}: expected an int >= {minimum}")
-    return v
 
 
 @dataclass(frozen=True)
@@ -54,10 +49,10 @@ class LatentMoEConfig:
 
     def __post_init__(self):
         for name in ("d", "m", "n_experts", "top_k", "alpha"):
-            _posint(name, getattr(self, name))
-        _posint("n_shared", self.n_shared, 0)
+            check_int(name, getattr(self, name))
+        check_int("n_shared", self.n_shared, 0)
         if self.m_latent is not None:
-            _posint("m_latent", self.m_latent)
+            check_int("m_latent", self.m_latent)
         if self.variant not in VARIANTS:
             raise ValueError(f"variant={self.variant!r}: expected one of {VARIANTS}")
         if self.act not in ACTS:
@@ -136,7 +131,7 @@ def log_comb(n: int, k: int) -> float:
 # %% ../../nbs/architectures/latent_moe.ipynb #76267772
 def cost_model(cfg: LatentMoEConfig, t_exp: int, ep: int = 1, bytes_per_param: int = 2) -> dict:
     """Per-layer serving cost: FLOPs/token, routed bytes, expert weight bytes, arithmetic intensity, U_eff, ln C(N', K')."""
-    _posint("t_exp", t_exp); _posint("ep", ep); _posint("bytes_per_param", bytes_per_param)
+    check_int("t_exp", t_exp); check_int("ep", ep); check_int("bytes_per_param", bytes_per_param)
     if cfg.experts % ep:
         raise ValueError(f"ep={ep}: expected a divisor of N'={cfg.experts} experts")
     l, m, b = cfg.latent, cfg.m_expert, bytes_per_param
@@ -353,7 +348,7 @@ def evaluate(model: CausalLM, windows: Tensor, chunk: int = 16) -> tuple[float, 
 def train_lm(model: CausalLM, corpus: Corpus, steps: int, *, batch: int = 16, seq_len: int = 128, seed: int = 0,
              lr: float = 3e-3, lb_coef: float = 0.01, n_evals: int = 4, val: Tensor | None = None, **train_kw) -> History:
     """AdamW + cosine (core.train) on seeded corpus windows, with the val loss measured `n_evals` times along the way."""
-    _posint("steps", steps); _posint("n_evals", n_evals)
+    check_int("steps", steps); check_int("n_evals", n_evals)
     val = val if val is not None else val_windows(corpus, 32, seq_len)
     batches = corpus.batches(batch, seq_len, seed=seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.flops import Cost, linear_cost, mlp_cost, model_cost, register_cost
-from ..core.nn import MLP, CausalLM, LMConfig, Routing, _act
+from ..core.nn import MLP, CausalLM, LMConfig, Routing, activation
 from ..core.train import stdlib_corpus, train
 
 # %% auto #0
@@ -420,7 +420,7 @@ class LoRAFFN(nn.Module):
         self.B_dn = nn.Parameter(torch.zeros(rank, d))
 
     def forward(self, x: Tensor) -> Tensor:
-        h = _act("swiglu", self.base.up(x) + self.scale * (x @ self.A_up) @ self.B_up)
+        h = activation("swiglu", self.base.up(x) + self.scale * (x @ self.A_up) @ self.B_up)
         return self.base.down(h) + self.scale * (h @ self.A_dn) @ self.B_dn
 
     def lora_state(self) -> dict[str, Tensor]:
@@ -489,7 +489,7 @@ def moe_lora_ffn(x: Tensor, idx: Tensor, gate: Tensor, w_up: Tensor, w_dn: Tenso
     w_up [2m, d], w_dn [d, m], A_up [K, d, r], B_up [K, r, 2m], A_dn [K, m, r], B_dn [K, r, d] -> [N, d].
     The base projections run once for all tokens; each token adds its expert's rank-r corrections (gathered bmm)."""
     up = x @ w_up.T + scale * torch.bmm(torch.bmm(x[:, None], A_up[idx]), B_up[idx])[:, 0]
-    h = _act("swiglu", up)
+    h = activation("swiglu", up)
     y = h @ w_dn.T + scale * torch.bmm(torch.bmm(h[:, None], A_dn[idx]), B_dn[idx])[:, 0]
     return y * gate[:, None]
 
@@ -501,7 +501,7 @@ def moe_lora_ffn_masked(x: Tensor, idx: Tensor, gate: Tensor, w_up: Tensor, w_dn
     N, (K, d, r) = x.shape[0], A_up.shape
     keep = F.one_hot(idx, K).to(x.dtype)[:, :, None]
     a = (x @ A_up.permute(1, 0, 2).reshape(d, K * r)).view(N, K, r) * keep
-    h = _act("swiglu", x @ w_up.T + scale * a.reshape(N, K * r) @ B_up.reshape(K * r, -1))
+    h = activation("swiglu", x @ w_up.T + scale * a.reshape(N, K * r) @ B_up.reshape(K * r, -1))
     b = (h @ A_dn.permute(1, 0, 2).reshape(-1, K * r)).view(N, K, r) * keep
     return (h @ w_dn.T + scale * b.reshape(N, K * r) @ B_dn.reshape(K * r, -1)) * gate[:, None]
 
@@ -515,7 +515,7 @@ def moe_lora_ffn_reference(x: Tensor, idx: Tensor, gate: Tensor, w_up: Tensor, w
         if not sel.any():
             continue
         xe = x[sel]
-        h = _act("swiglu", xe @ w_up.T + scale * (xe @ A_up[e]) @ B_up[e])
+        h = activation("swiglu", xe @ w_up.T + scale * (xe @ A_up[e]) @ B_up[e])
         out = out.index_put((sel.nonzero()[:, 0],), (h @ w_dn.T + scale * (h @ A_dn[e]) @ B_dn[e]) * gate[sel, None])
     return out
 

@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 # %% auto #0
 __all__ = ['SettingsError', 'project_root', 'Settings', 'load_settings', 'settings', 'results_dir', 'ledger_dir',
-           'model_cache_dir', 'runs_dir', 'check_profile', 'is_like', 'check_like', 'pick_profile', 'resolve_device',
-           'seed_everything', 'configure_threads', 'device_name', 'run_banner']
+           'model_cache_dir', 'runs_dir', 'check_profile', 'is_like', 'check_int', 'check_like', 'pick_profile',
+           'resolve_device', 'seed_everything', 'configure_threads', 'device_name', 'run_banner']
 
 # %% ../../nbs/core/config.ipynb #d76975a9
 _SCHEMA: dict[str, dict[str, type]] = {
@@ -225,6 +225,13 @@ def is_like(value: Any, like: Any) -> bool:
     if isinstance(like, Mapping):
         return isinstance(value, Mapping)
     return isinstance(value, type(like))
+
+
+def check_int(name: str, value: Any, minimum: int = 1) -> int:
+    """`value` if it is an int >= `minimum` (bools refused), else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")
+    return value
 
 
 def check_like(name: str, value: Any, like: Any, where: str = "") -> Any:

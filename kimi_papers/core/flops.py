@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils.flop_counter import FlopCounterMode
 
+from .config import check_int
 from .nn import MLP, Attention, Block, CausalLM, MoE
 
 # %% auto #0
@@ -45,12 +46,6 @@ class Cost:
         return Cost(self.flops + other.flops, self.weight_bytes + other.weight_bytes, self.kv_bytes + other.kv_bytes)
 
 
-def _pos(name: str, v: int, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ValueError(f"{name}={v!r}: expected an int >= {minimum}")
-    return v
-
-
 def linear_cost(n_tokens: int, d_in: int, d_out: int, bytes_per: int = 4, bias: bool = False) -> Cost:
     """x [n, d_in] @ W [d_in, d_out]: 2 n d_in d_out FLOPs; reads the weight once."""
     return Cost(2.0 * n_tokens * d_in * d_out, float(bytes_per * (d_in * d_out + bias * d_out)))
@@ -61,7 +56,7 @@ def attention_cost(batch: int, T: int, d_model: int, n_heads: int, start: int = 
     """Self-attention on [batch, T, d] after `start` cached positions: qkv/out projections, QK^T and AV over S = start + T keys.
 
     KV bytes (with `cache`): the cached prefix read plus the new keys and values written."""
-    _pos("batch", batch); _pos("T", T); _pos("start", start, 0); _pos("d_model", d_model); _pos("n_heads", n_heads)
+    check_int("batch", batch); check_int("T", T); check_int("start", start, 0); check_int("d_model", d_model); check_int("n_heads", n_heads)
     N, S = batch * T, start + T
     pairs = batch * (T * start + T * (T + 1) / 2) if causal_skip else batch * T * S
     core = 2 * 2.0 * pairs * d_model                       # QK^T and AV, summed over heads: d_model per pair each
@@ -78,7 +73,7 @@ def mlp_cost(n_tokens: int, d_model: int, d_ff: int, act: str = "swiglu", bytes_
 def moe_cost(n_tokens: int, d_model: int, n_experts: int, top_k: int, d_expert: int, act: str = "swiglu",
              bytes_per: int = 4, load: Tensor | None = None) -> Cost:
     """Router + k experts per token (no dropping); weight bytes count only experts with tokens (`load` [E], else min(E, N k))."""
-    _pos("top_k", top_k); _pos("n_experts", n_experts)
+    check_int("top_k", top_k); check_int("n_experts", n_experts)
     if top_k > n_experts:
         raise ValueError(f"top_k={top_k}: expected <= n_experts={n_experts}")
     width = (2 if act == "swiglu" else 1) * d_expert

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from .config import model_cache_dir, resolve_device
+from .config import check_int, model_cache_dir, resolve_device
 from .io import atomic_write, atomic_write_text
 
 # %% auto #0
@@ -318,21 +318,14 @@ def embed(texts: Sequence[str], model: Any, tokenizer: Any, batch_size: int = 64
     return torch.cat(out)
 
 # %% ../../nbs/core/models.ipynb #1be3c9ad
-def _pos_int(name: str, value: Any, minimum: int = 1) -> int:
-    """`value` if it is an int >= `minimum`, else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r}: expected an int >= {minimum}")
-    return value
-
-
 def tiny_causal_lm(vocab_size: int, d_model: int = 128, n_layers: int = 2, n_heads: int = 4, max_len: int = 256,
                    arch: str = "llama", seed: int = 0, d_ff: int | None = None, tokenizer: Any = None) -> Any:
     """A randomly initialised (deterministic for `seed`) Llama or GPT-2 causal LM from transformers."""
-    _pos_int("vocab_size", vocab_size, 2)
+    check_int("vocab_size", vocab_size, 2)
     for name, val in [("d_model", d_model), ("n_layers", n_layers), ("n_heads", n_heads), ("max_len", max_len)]:
-        _pos_int(name, val)
-    _pos_int("seed", seed, 0)
-    d_ff = 4 * d_model if d_ff is None else _pos_int("d_ff", d_ff)
+        check_int(name, val)
+    check_int("seed", seed, 0)
+    d_ff = 4 * d_model if d_ff is None else check_int("d_ff", d_ff)
     if d_model % n_heads:
         raise ValueError(f"d_model={d_model} must be divisible by n_heads={n_heads}")
     if arch not in ("llama", "gpt2"):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # %% auto #0
-__all__ = ['Factory', 'LMConfig', 'RMSNorm', 'make_norm', 'apply_rope', 'Attention', 'MLP', 'Routing', 'MoE',
+__all__ = ['Factory', 'LMConfig', 'RMSNorm', 'make_norm', 'apply_rope', 'Attention', 'activation', 'MLP', 'Routing', 'MoE',
            'load_balancing_loss', 'router_z_loss', 'moe_aux_losses', 'Capture', 'Block', 'default_mixer', 'default_ffn',
            'CausalLM', 'MaskedLM']
 
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         return self.out(y.transpose(1, 2).reshape(B, T, D))
 
 # %% ../../nbs/core/nn.ipynb #0d92d3aa
-def _act(kind: str, h: Tensor) -> Tensor:
+def activation(kind: str, h: Tensor) -> Tensor:
     """The hidden activation: SwiGLU on a gate|up split, GELU, or squared ReLU."""
     if kind == "swiglu":
         g, u = h.chunk(2, -1)
@@ -143,13 +143,13 @@ class MLP(nn.Module):
     """Dense FFN x [..., d] -> [..., d]: SwiGLU (gate|up fused in `up`) or GELU/ReLU² with hidden width m."""
     def __init__(self, d_model: int, d_ff: int, act: str = "swiglu", bias: bool = False):
         super().__init__()
-        _act(act, torch.zeros(2))
+        activation(act, torch.zeros(2))
         self.act = act
         self.up = nn.Linear(d_model, (2 if act == "swiglu" else 1) * d_ff, bias=bias)
         self.down = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down(_act(self.act, self.up(x)))
+        return self.down(activation(self.act, self.up(x)))
 
 
 @dataclass
@@ -174,7 +174,7 @@ class MoE(nn.Module):
             raise ValueError(f"top_k={top_k}: expected 1..n_experts={n_experts}")
         if router not in _CHOICES["router"]:
             raise ValueError(f"router={router!r}: expected one of {_CHOICES['router']}")
-        _act(act, torch.zeros(2))
+        activation(act, torch.zeros(2))
         self.k, self.act, self.router_kind, self.renormalize = top_k, act, router, renormalize
         self.router = nn.Linear(d_model, n_experts, bias=False)
         width = (2 if act == "swiglu" else 1) * d_expert
@@ -197,7 +197,7 @@ class MoE(nn.Module):
 
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert `e` on tokens x [n, d] -> [n, d]."""
-        return _act(self.act, x @ self.w1[e]) @ self.w2[e]
+        return activation(self.act, x @ self.w1[e]) @ self.w2[e]
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
