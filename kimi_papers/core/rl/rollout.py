@@ -15,7 +15,8 @@ from torch import nn
 from ..token_stats import gumbel_noise, sample_next, token_stats, token_stats_from_logits
 
 # %% auto #0
-__all__ = ['HiddenStates', 'Policy', 'as_policy', 'position_ids', 'sequence_stats', 'RolloutBatch', 'generate', 'scripted_policy']
+__all__ = ['HiddenStates', 'Policy', 'as_policy', 'position_ids', 'sequence_stats', 'RolloutBatch', 'KVDecoder', 'generate',
+           'scripted_policy']
 
 # %% ../../../nbs/core/rl/rollout.ipynb #e1804997
 class HiddenStates(nn.Module):
@@ -270,6 +271,36 @@ def _out_cache(out: Any) -> Any:
     return c if c is not None else out.past_key_values
 
 
+class KVDecoder:
+    """Incremental decoding of a left-padded prompt batch with a KV cache: `logits()` [rows, V] float32 of the next
+    token, `step(tok)` feeds one token [rows] per row (rows that are done keep receiving pad tokens)."""
+
+    def __init__(self, policy: Policy, prompts: Sequence[Sequence[int]]):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts: expected a non-empty list of non-empty token-id lists")
+        self.policy, dev = policy, policy.device
+        self.W, self.b = policy.head()
+        ids, attn = (t.to(dev) for t in _left_pad(prompts, policy.pad_id))
+        self.prompt_ids, self.attn, self.rows = ids, attn, ids.shape[0]
+        self.base, self._ckw = policy.model.base_model, _cache_kw(policy.model.base_model)
+        out = self.base(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=True)
+        self.cache, self.h, self.pos = _out_cache(out), out.last_hidden_state[:, -1], position_ids(attn)[:, -1]
+
+    def logits(self) -> torch.Tensor:
+        """Next-token logits [rows, V] float32 from the last hidden state."""
+        return (self.h @ self.W.T + (self.b if self.b is not None else 0)).float()
+
+    def step(self, tok: torch.Tensor) -> None:
+        """Append one token per row [rows] long and advance the cache."""
+        if tok.shape != (self.rows,):
+            raise ValueError(f"tok: expected shape ({self.rows},), got {tuple(tok.shape)}")
+        self.attn = torch.cat([self.attn, torch.ones((self.rows, 1), dtype=self.attn.dtype, device=self.attn.device)], 1)
+        self.pos = self.pos + 1
+        out = self.base(input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.pos[:, None], use_cache=True,
+                        **{self._ckw: self.cache})
+        self.cache, self.h = _out_cache(out), out.last_hidden_state[:, -1]
+
+
 @torch.no_grad()
 def generate(policy: Policy, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0,
              top_p: float = 1.0, stop: Sequence[str] = (), generator: torch.Generator | None = None,
@@ -286,21 +317,16 @@ def generate(policy: Policy, prompts: Sequence[Sequence[int]], *, max_new_tokens
         raise ValueError(f"temperature={temperature}, top_p={top_p}: expected temperature > 0 and 0 < top_p <= 1")
     model, dev, eos, pad = policy.model, policy.device, policy.eos_id, policy.pad_id
     generator = _noise_source(generator, seed, greedy)
-    W, b = policy.head()
-    ids, attn = (t.to(dev) for t in _left_pad(prompts, pad))
-    attn0, R = attn, ids.shape[0]
     was_training = model.training
     model.eval()
-    base, ckw = model.base_model, _cache_kw(model.base_model)
-    out = base(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=True)
-    cache, h = _out_cache(out), out.last_hidden_state[:, -1]
-    pos = position_ids(attn)[:, -1]
+    dec = KVDecoder(policy, prompts)
+    ids, attn0, R = dec.prompt_ids, dec.attn, dec.rows
     new = torch.full((R, max_new_tokens), pad, dtype=torch.long, device=dev)
     rmask = torch.zeros((R, max_new_tokens), dtype=torch.long, device=dev)
     done = torch.zeros(R, dtype=torch.bool, device=dev)
     texts = [""] * R
     for t in range(max_new_tokens):
-        logits = (h @ W.T + (b if b is not None else 0)).float()
+        logits = dec.logits()
         if greedy:
             tok = logits.argmax(-1)
         else:
@@ -316,11 +342,7 @@ def generate(policy: Policy, prompts: Sequence[Sequence[int]], *, max_new_tokens
         done |= finished
         if bool(done.all()) or t == max_new_tokens - 1:
             break
-        attn = torch.cat([attn, torch.ones((R, 1), dtype=attn.dtype, device=dev)], 1)
-        pos = pos + 1
-        out = base(input_ids=tok[:, None], attention_mask=attn, position_ids=pos[:, None], use_cache=True,
-                   **{ckw: cache})
-        cache, h = _out_cache(out), out.last_hidden_state[:, -1]
+        dec.step(tok)
     model.train(was_training)
     n = t + 1
     new, rmask = new[:, :n], rmask[:, :n]
