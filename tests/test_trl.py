@@ -328,3 +328,88 @@ def test_ed_bad_settings_raise():
         make_trainer("EDGRPOTrainer", alpha_max=-1.0)
     with pytest.raises(ValueError, match="ed_kind"):
         make_trainer("EDGRPOTrainer", ed_kind="kl")
+
+
+# ---- RLRR: rank rewards with the sign-preserving clip ------------------------------------------------------------
+def rlrr_trainer(cls=None, weights=(1.0, 0.0), **kw):
+    """RLRRGRPOTrainer (or a subclass) on the tiny model with the RLRR rank reward and the exact verifier."""
+    from datasets import Dataset
+    from trl import GRPOConfig
+    import kimi_papers.rl.rlrr as R
+    from kimi_papers.core.rl import ArithmeticTask, Problem
+    task, G = ArithmeticTask(digits=2), 4
+    rank = R.rlrr_trl_reward(R.arith_judge(seed=0), task, G, "supplement", 0.1)
+
+    def verifier(prompts, completions, answer, **_):
+        return [float(task.verify(Problem(p, a, a), c)) for p, c, a in zip(prompts, completions, answer)]
+
+    pairs = [(1, 2), (3, 4), (5, 1), (2, 2)]
+    data = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a, b in pairs], "answer": [str(a + b) for a, b in pairs]})
+    cfg = GRPOConfig(output_dir="/tmp/kimi_papers_test_trl_rlrr", use_cpu=True, report_to=[], save_strategy="no", beta=0.0,
+                     bf16=False, max_steps=2, per_device_train_batch_size=8, num_generations=G, max_completion_length=4,
+                     learning_rate=1e-3, logging_steps=1, seed=0, disable_tqdm=True, log_level="warning",
+                     reward_weights=list(weights))
+    model = tiny_causal_lm(CTOK.vocab_size, d_model=32, n_layers=2, n_heads=2, max_len=64, seed=0, tokenizer=CTOK)
+    return (cls or kt.RLRRGRPOTrainer)(model=model, reward_funcs=[rank, verifier], args=cfg, train_dataset=data,
+                                        processing_class=kt.hf_char_tokenizer(ALPHABET), **kw)
+
+
+@needs_trl
+def test_rlrr_two_steps_train_on_the_clipped_rank_advantage():
+    import kimi_papers.rl.rlrr as R
+    seen = []
+
+    class Checked(kt.RLRRGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            seen.append((self._kp_rewards_per_func.detach().clone(), out["advantages"].detach().clone()))
+            return out
+
+    tr = rlrr_trainer(Checked, rule_func=1)
+    before = [p.detach().clone() for p in tr.model.parameters()]
+    tr.train()
+    assert tr.state.global_step == 2 and len(seen) == 2
+    assert any(not torch.equal(a, b) for a, b in zip(before, tr.model.parameters())), "no parameter moved"
+    for rpf, adv in seen:
+        s, rule = rpf[:, 0].double(), rpf[:, 1]
+        uid = torch.arange(len(s)) // 4
+        want = torch.tensor(R.rlrr_advantages_reference(s.tolist(), rule.tolist(), uid.tolist()), dtype=torch.float64)
+        assert (adv.double() - want).abs().max() < 1e-6, (adv, want)   # the plain-Python reference, with the clip
+        assert R.sign_violation_rate(adv.double(), rule) == 0.0
+
+
+@needs_trl
+def test_rlrr_same_batch_same_loss_as_the_core():
+    import kimi_papers.rl.rlrr as R
+    tr = rlrr_trainer(rule_func=1)
+    tr.model.eval()
+    batch, _ = fixed_batch()
+    rule = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1])     # group 1 all correct: lower-ranked correct rows get A < 0 before the clip
+    ranks = torch.tensor([[3, 1, 2, 4], [1, 2, 3, 4]])
+    s = R.rank_to_reward(ranks, rule.view(2, 4), "supplement", 0.1).flatten().float()
+    rpf = torch.stack([s, rule], 1)
+    lp, _ = plain_token_stats(tr.model, batch)
+    m = batch["completion_mask"].double()
+    noise = 0.3 * torch.randn(lp.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    old = (lp + noise).clamp(max=0) * m
+    inputs = tr.apply_paper_advantages(dict(batch, old_per_token_logps=old.float()), rpf)
+    loss = tr.compute_loss(tr.model, inputs).item()
+    uid = torch.arange(8) // 4
+    paper = lambda a: aggregate(ppo_clip_loss(lp, old, a[:, None] * m, m, clip_eps=0.2).per_token, m, "token-mean").item()
+    clipped, unclipped = R.rlrr_advantages(s.double(), rule, uid), R.rlrr_advantages(s.double(), None, uid)
+    assert (clipped != unclipped).any()                  # the clip acts on this batch
+    want = paper(clipped)
+    assert abs(loss - want) <= 1e-6 * abs(want) + 1e-7, (loss, want)
+    assert abs(paper(unclipped) - want) > 1e-3 * abs(want), "the check cannot tell the clip apart"
+
+
+@needs_trl
+def test_rlrr_bad_settings_raise():
+    with pytest.raises(ValueError, match="rlrr_norm"):
+        rlrr_trainer(rlrr_norm="mad")
+    with pytest.raises(ValueError, match="xi_neg"):
+        rlrr_trainer(xi_neg=float("nan"))
+    with pytest.raises(ValueError, match="rule_func=2: expected an index < 2"):
+        rlrr_trainer(rule_func=2)
+    with pytest.raises(ValueError, match=r"reward_weights\[1\] = 1"):
+        rlrr_trainer(rule_func=1, weights=(1.0, 1.0))

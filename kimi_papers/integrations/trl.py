@@ -15,6 +15,8 @@ from torch import Tensor
 from ..rl.optimal_token_baseline import otb_advantages, otb_multiturn_advantages, outcome_token_rewards
 from ..rl.entropy_discrepancy import ED_KINDS, ED_POOLS, EDScheduler, entropy_discrepancy
 from ..rl.pmd_mean import PMD_AGGS, PMD_MODES, pmd_advantages, pmd_loss
+from ..rl.rlrr import NORMS as RLRR_NORMS
+from ..rl.rlrr import rlrr_trl_advantages
 
 # %% auto #0
 __all__ = ['TRL_VERSION', 'INSTALL_HINT', 'TRAINERS', 'require_trl', 'trl_group_uids', 'trl_rewards', 'pmd_trl_advantages',
@@ -23,7 +25,7 @@ __all__ = ['TRL_VERSION', 'INSTALL_HINT', 'TRAINERS', 'require_trl', 'trl_group_
 # %% ../../nbs/integrations/trl.ipynb #4bf16d83
 TRL_VERSION = "1.16.0"
 INSTALL_HINT = "pip install 'kimi_papers[trl]'"
-TRAINERS = ("PMDGRPOTrainer", "OTBGRPOTrainer", "EDGRPOTrainer")
+TRAINERS = ("PMDGRPOTrainer", "OTBGRPOTrainer", "EDGRPOTrainer", "RLRRGRPOTrainer")
 
 
 def require_trl() -> Any:
@@ -292,16 +294,49 @@ def _build_trainers() -> dict[str, type]:
                     self._metrics[mode][f"ed/{k}"].append(row[k])
             return applied
 
-    for cls in (PMDGRPOTrainer, OTBGRPOTrainer, EDGRPOTrainer):
+    class RLRRGRPOTrainer(_PaperAdvantages):
+        """GRPOTrainer with RLRR's advantages: the rank reward standardised in its group, then the sign-preserving clip.
+
+        The clip reads the verifier outcome s_rule (0/1 per row) from reward function number `rule_func`, whose weight
+        in `reward_weights` must be 0 (s_rule is already inside the supplement and weight mappings of the rank reward);
+        `rule_func=None` (the reward mapping, open-ended tasks) trains on the standardised ranks without a clip."""
+
+        def __init__(self, *args, rule_func: int | None = None, rlrr_norm: str = "std", xi_neg: float = 0.0,
+                     xi_pos: float = 0.0, **kwargs):
+            if rlrr_norm not in RLRR_NORMS:
+                raise ValueError(f"rlrr_norm={rlrr_norm!r}: expected one of {RLRR_NORMS}")
+            rlrr_trl_advantages(torch.zeros(2), None, 2, rlrr_norm, xi_neg, xi_pos)  # a bad xi raises here, naming it
+            if rule_func is not None and (isinstance(rule_func, bool) or not isinstance(rule_func, int) or rule_func < 0):
+                raise ValueError(f"rule_func={rule_func!r}: expected the index of the verifier reward function, or None")
+            self.rlrr_rule_func, self.rlrr_norm, self.xi_neg, self.xi_pos = rule_func, rlrr_norm, float(xi_neg), float(xi_pos)
+            super().__init__(*args, **kwargs)
+            if rule_func is not None:
+                n = len(self.reward_funcs)
+                if rule_func >= n:
+                    raise ValueError(f"rule_func={rule_func}: expected an index < {n} (the number of reward functions)")
+                if float(self.reward_weights[rule_func]) != 0.0:
+                    raise ValueError(f"reward_weights[{rule_func}] = {float(self.reward_weights[rule_func]):g}: the verifier "
+                                     "would enter the rank reward s twice; give it weight 0 in GRPOConfig.reward_weights")
+
+        def apply_paper_advantages(self, out: dict, rewards_per_func: Tensor) -> dict:
+            self._rlrr_rpf = rewards_per_func  # the verifier column of this generation batch, for the clip
+            return super().apply_paper_advantages(out, rewards_per_func)
+
+        def _paper_advantages(self, out, rewards, G):
+            rule = None if self.rlrr_rule_func is None else self._rlrr_rpf[:, self.rlrr_rule_func]
+            return rlrr_trl_advantages(rewards, rule, G, self.rlrr_norm, self.xi_neg, self.xi_pos)
+
+    for cls in (PMDGRPOTrainer, OTBGRPOTrainer, EDGRPOTrainer, RLRRGRPOTrainer):
         cls.__module__ = __name__
-    return {"PMDGRPOTrainer": PMDGRPOTrainer, "OTBGRPOTrainer": OTBGRPOTrainer, "EDGRPOTrainer": EDGRPOTrainer}
+    return {"PMDGRPOTrainer": PMDGRPOTrainer, "OTBGRPOTrainer": OTBGRPOTrainer, "EDGRPOTrainer": EDGRPOTrainer,
+            "RLRRGRPOTrainer": RLRRGRPOTrainer}
 
 
 _TRAINERS: dict[str, type] = {}
 
 
 def trainer_classes() -> dict[str, type]:
-    """{"PMDGRPOTrainer": ..., "OTBGRPOTrainer": ..., "EDGRPOTrainer": ...}, built once (ImportError naming the extra without TRL)."""
+    """{"PMDGRPOTrainer": ..., "EDGRPOTrainer": ..., "RLRRGRPOTrainer": ...}, built once (ImportError naming the extra without TRL)."""
     if not _TRAINERS:
         _TRAINERS.update(_build_trainers())
     return dict(_TRAINERS)
