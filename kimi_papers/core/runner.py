@@ -139,6 +139,12 @@ def notebook_parameters(path: Path) -> dict[str, Parameter]:
         params = PythonTranslator.inspect(cell)
     finally:
         log.setLevel(level)
+    found = {p.name for p in params}
+    lost = [line for line in cell["source"].splitlines()
+            if (m := re.match(r"([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)", line)) and m.group(1) not in found]
+    if lost:  # papermill would not inject these: a run would silently keep their defaults (e.g. run smoke for full)
+        raise ValueError(f"{path}: papermill cannot parse these lines of the parameters cell, so they could not be "
+                         f"set from the command line: {lost} (a '=', '<=' or '>=' inside the comment is the usual cause)")
     return {p.name: Parameter(p.name, p.default, "" if p.inferred_type_name == "None" else p.inferred_type_name, p.help)
             for p in params}
 
