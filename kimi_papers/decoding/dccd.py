@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..core.kernels import compile_fn
-from ..core.rl.rollout import Policy, _cache_kw, _left_pad, _out_cache, generate, position_ids
+from ..core.rl.rollout import KVDecoder, Policy, generate
 
 try:  # the lead is moving the sampler into core.token_stats; fall back to its old home
     from kimi_papers.core.token_stats import gumbel_noise, sample_next
@@ -329,16 +329,12 @@ def constrained_batch(policy: Policy, prompts: Sequence[Sequence[int]], masker: 
     if masker.vocab_size > policy.head()[0].shape[0]:
         raise ValueError(f"masker: built for {masker.vocab_size} tokens, the model has {policy.head()[0].shape[0]}")
     gen = torch.Generator().manual_seed(0 if seed is None else seed) if temperature > 0 else None
-    model, dev, W, b = policy.model, policy.device, *policy.head()
-    ids, attn = (t.to(dev) for t in _left_pad(prompts, policy.pad_id))
-    base, ckw = model.base_model, _cache_kw(model.base_model)
-    out = base(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=True)
-    cache, h, pos = _out_cache(out), out.last_hidden_state[:, -1], position_ids(attn)[:, -1]
-    R, V = ids.shape[0], W.shape[0]
+    dev, dec = policy.device, KVDecoder(policy, prompts)
+    R, V = dec.rows, dec.W.shape[0]
     states, rows = [masker.start_state()] * R, [Constrained("", [], [], [], False) for _ in range(R)]
     done, full = [False] * R, torch.ones(V, dtype=torch.bool, device=dev)
     for _ in range(max_new_tokens):
-        logits = (h @ W.T + (b if b is not None else 0)).float()
+        logits = dec.logits()
         mask = torch.stack([full if d else _pad_mask(masker.allowed(s), V).to(dev) for s, d in zip(states, done)])
         logq, logZ = masked_renorm(logits, mask, 1.0, compiled=compiled)  # feasible mass at T = 1
         if temperature == 0:
@@ -358,10 +354,7 @@ def constrained_batch(policy: Policy, prompts: Sequence[Sequence[int]], masker: 
                 states[i] = masker.advance(states[i], tok_l[i])
         if all(done):
             break
-        attn = torch.cat([attn, torch.ones((R, 1), dtype=attn.dtype, device=dev)], 1)
-        pos = pos + 1
-        out = base(input_ids=tok[:, None], attention_mask=attn, position_ids=pos[:, None], use_cache=True, **{ckw: cache})
-        cache, h = _out_cache(out), out.last_hidden_state[:, -1]
+        dec.step(tok)
     for r in rows:
         r.text = "".join(masker.strings[t] for t in r.tokens if t != masker.eos_id)
         if not r.finished:
