@@ -6,14 +6,10 @@
 from __future__ import annotations
 
 import functools
-import json
 import math
 import numbers
-import re
-import statistics
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -21,18 +17,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..core.io import atomic_write
 from ..core.kernels import compile_fn
 from ..core.models import load_minilm
+from .mvr_cache_vcache import (MIN_OBSERVATIONS, _check_texts, VCACHE_VARIANCE, Decision, Entry, StreamResult,  # noqa: F401 (re-exported)
+                                                 VCachePolicy, fit_threshold, hit_at_error, normalise_answer, roc_auc,
+                                                 run_stream, same_answer, vcache_tau)
 
 # %% auto #0
-__all__ = ['FAMILIES', 'WRAPPERS', 'PUNCTUATION', 'maxsim_compiled', 'pooled_maxsim_compiled', 'VCACHE_VARIANCE',
-           'MIN_OBSERVATIONS', 'SemSynth', 'make_semsynth', 'Encoded', 'encode_tokens', 'segment_ids', 'segment_means',
-           'punctuation_boundaries', 'oracle_boundaries', 'batch_segment_ids', 'maxsim_score', 'segment_pool',
-           'pooled_maxsim', 'maxsim_reference', 'SegmenterPolicy', 'SigmoidCalibrator', 'balanced_bce', 'TokenBank',
-           'neighbour_table', 'sample_pairs', 'TrainResult', 'train_segmenter', 'fit_threshold', 'vcache_tau', 'Rep',
-           'CosineScorer', 'MVRScorer', 'learned_boundaries', 'normalise_answer', 'same_answer', 'Entry', 'Decision',
-           'VCachePolicy', 'StreamResult', 'run_stream', 'roc_auc', 'hit_at_error', 'chat_prompt', 'lm_generate']
+__all__ = ['FAMILIES', 'WRAPPERS', 'PUNCTUATION', 'maxsim_compiled', 'pooled_maxsim_compiled', 'SemSynth', 'make_semsynth',
+           'Encoded', 'encode_tokens', 'segment_ids', 'segment_means', 'punctuation_boundaries', 'oracle_boundaries',
+           'batch_segment_ids', 'maxsim_score', 'segment_pool', 'pooled_maxsim', 'maxsim_reference', 'SegmenterPolicy',
+           'SigmoidCalibrator', 'balanced_bce', 'TokenBank', 'neighbour_table', 'sample_pairs', 'TrainResult',
+           'train_segmenter', 'Rep', 'CosineScorer', 'MVRScorer', 'learned_boundaries', 'chat_prompt', 'lm_generate']
 
 # %% ../../nbs/serving/mvr_cache.ipynb #e77bfdfb
 FAMILIES = ("relation", "units", "arithmetic", "sentiment", "letters", "dates")
@@ -213,19 +209,6 @@ class Encoded:
 @functools.lru_cache(maxsize=2)
 def _minilm(device: str = "cpu") -> tuple[Any, Any]:
     return load_minilm(device)
-
-
-def _check_texts(texts: Any, name: str = "texts") -> list[str]:
-    if isinstance(texts, str) or not isinstance(texts, Sequence):
-        raise TypeError(f"{name}: expected a list of strings, got {type(texts).__name__}")
-    if not texts:
-        raise ValueError(f"{name}: expected at least one prompt")
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise TypeError(f"{name}[{i}]: expected a str, got {type(t).__name__}")
-        if not t.strip():
-            raise ValueError(f"{name}[{i}]: empty prompt; a semantic cache needs text to compare")
-    return list(texts)
 
 
 def encode_tokens(texts: Sequence[str], model: Any = None, tokenizer: Any = None, batch_size: int = 32,
@@ -575,63 +558,6 @@ def train_segmenter(bank: TokenBank, labels: np.ndarray, steps: int, lr: float =
         hist["gamma"].append(float(cal.gamma.detach()))
     return TrainResult(policy.eval(), cal.eval(), hist, time.time() - t0)
 
-# %% ../../nbs/serving/mvr_cache.ipynb #95104ebb
-# vCache's variance of t-hat for perfectly separated observations, by number of observations (6..48; more uses 48's)
-VCACHE_VARIANCE = dict(zip(range(6, 49), [
-    0.035445, 0.028285, 0.026436, 0.021349, 0.019371, 0.012615, 0.011433, 0.010228, 0.009963, 0.009253, 0.011674,
-    0.013015, 0.010897, 0.011841, 0.013081, 0.010585, 0.014255, 0.012058, 0.013002, 0.011715, 0.00839, 0.008839,
-    0.010628, 0.009899, 0.008033, 0.00457, 0.007335, 0.008932, 0.00729, 0.007445, 0.00761, 0.011423, 0.011233,
-    0.006783, 0.005233, 0.00872, 0.010005, 0.01199, 0.00977, 0.01891, 0.01513, 0.02109, 0.01531]))
-MIN_OBSERVATIONS = 6
-_EPS_GRID = np.linspace(1e-6, 1 - 1e-6, 50)
-_Z = np.array([statistics.NormalDist().inv_cdf(1 - e) for e in _EPS_GRID])
-
-
-def fit_threshold(s: Sequence[float], c: Sequence[int], min_obs: int = MIN_OBSERVATIONS, max_iter: int = 30
-                  ) -> tuple[float, float, float] | None:
-    """vCache's per-entry fit of P(c | s) = sigmoid(gamma (s - t)): (t_hat, gamma, var_t), or None (= explore).
-
-    None with fewer than `min_obs` observations or a single class (the logistic fit is undefined). Unpenalised
-    Newton steps on [1, s]; t_hat clipped to [0, 1] and rounded to 3 decimals, gamma >= 1e-6; var_t by the delta
-    method, or vCache's table when the classes are perfectly separated (the fit then depends on the optimiser)."""
-    s, c = np.asarray(s, dtype=float), np.asarray(c, dtype=float)
-    if s.shape != c.shape or s.ndim != 1:
-        raise ValueError(f"s, c: expected two 1-d arrays of one length, got {s.shape} and {c.shape}")
-    if len(s) < min_obs or c.min() == c.max():
-        return None
-    X = np.stack([np.ones_like(s), s], 1)
-    beta = np.zeros(2)
-    for _ in range(max_iter):
-        p = 1 / (1 + np.exp(-(X @ beta)))
-        W = p * (1 - p)
-        H = X.T @ (W[:, None] * X)
-        if not np.isfinite(H).all() or np.linalg.cond(H) > 1e12:
-            break
-        step = np.linalg.solve(H, X.T @ (c - p))
-        beta = beta + step
-        if np.abs(step).max() < 1e-8:
-            break
-    intercept, gamma = beta
-    gamma = max(float(gamma), 1e-6)
-    t_hat = round(float(np.clip(-intercept / gamma, 0.0, 1.0)), 3)
-    if s[c == 1].min() > s[c == 0].max():
-        return t_hat, gamma, VCACHE_VARIANCE.get(len(s), VCACHE_VARIANCE[48])
-    p = 1 / (1 + np.exp(-(X @ beta)))
-    H = X.T @ ((p * (1 - p))[:, None] * X)
-    try:
-        cov = np.linalg.inv(H)
-    except np.linalg.LinAlgError:
-        return None
-    grad = np.array([-1.0 / gamma, intercept / gamma ** 2])
-    return t_hat, gamma, max(0.0, float(grad @ cov @ grad))
-
-
-def vcache_tau(s: float, t_hat: float, gamma: float, var_t: float, delta: float) -> float:
-    """Exploration probability: clip(min over the epsilon grid of 1 - delta / (1 - alpha(eps)), 0, 1)."""
-    t_prime = np.clip(t_hat + _Z * math.sqrt(max(var_t, 0.0)), 0.0, 1.0)
-    alpha = (1 - _EPS_GRID) / (1 + np.exp(-gamma * (s - t_prime)))
-    return float(np.clip((1 - delta / (1 - alpha)).min(), 0.0, 1.0))
-
 # %% ../../nbs/serving/mvr_cache.ipynb #88b47d3d
 @dataclass
 class Rep:
@@ -706,247 +632,6 @@ class MVRScorer(CosineScorer):
 def learned_boundaries(policy: SegmenterPolicy) -> Callable[[str, Encoded], list[int]]:
     """A `boundary_fn` that runs the trained segmenter greedily."""
     return lambda prompt, enc: policy.boundaries(enc)
-
-# %% ../../nbs/serving/mvr_cache.ipynb #fc1d03dd
-def normalise_answer(text: str) -> str:
-    """Lower case, punctuation and extra spaces removed: the string-equality judge's canonical form."""
-    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
-
-
-def same_answer(cached_prompt: str, cached_response: str, prompt: str, response: str) -> bool:
-    """Default judge: the fresh response equals the cached one after `normalise_answer`."""
-    return normalise_answer(cached_response) == normalise_answer(response)
-
-
-@dataclass
-class Entry:
-    id: int
-    prompt: str
-    response: str
-    obs_s: list[float] = field(default_factory=list)
-    obs_c: list[int] = field(default_factory=list)
-    inserted: int = 0
-    last_used: int = 0
-
-
-@dataclass
-class Decision:
-    hit: bool
-    response: str | None
-    neighbour: int | None      # entry id of the nearest cached prompt (None: empty cache)
-    similarity: float | None
-    tau: float | None          # exploration probability (vCache); None under the static policy
-
-
-class VCachePolicy:
-    """A semantic cache in front of any `generate(prompt) -> str`: vCache's per-entry verified threshold (or a static one).
-
-    `get`/`put` for manual use, `process` for the whole explore/exploit step; `max_entries` with LRU or FIFO eviction;
-    `save`/`load` persist the entries, observations and RNG state as JSON through an atomic write."""
-
-    def __init__(self, delta: float, sim_fn: CosineScorer, k: int = 10, max_entries: int | None = None,
-                 eviction: str = "lru", seed: int = 0, judge: Callable[[str, str, str, str], bool] = same_answer,
-                 policy: str = "vcache", threshold: float | None = None, min_obs: int = MIN_OBSERVATIONS):
-        if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 < delta < 1:
-            raise ValueError(f"delta={delta!r}: expected a number in (0, 1) (the tolerated error rate)")
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-            raise ValueError(f"k={k!r}: expected an int >= 1 (candidates re-ranked)")
-        if max_entries is not None and (isinstance(max_entries, bool) or not isinstance(max_entries, numbers.Integral)
-                                        or max_entries < 1):
-            raise ValueError(f"max_entries={max_entries!r}: expected None or an int >= 1")
-        if eviction not in ("lru", "fifo"):
-            raise ValueError(f"eviction={eviction!r}: expected 'lru' or 'fifo'")
-        if policy not in ("vcache", "static"):
-            raise ValueError(f"policy={policy!r}: expected 'vcache' or 'static'")
-        if policy == "static" and (threshold is None or not 0 <= threshold <= 1):
-            raise ValueError(f"threshold={threshold!r}: the static policy needs a similarity threshold in [0, 1]")
-        self.delta, self.sim, self.k, self.max_entries, self.eviction = float(delta), sim_fn, int(k), max_entries, eviction
-        self.judge, self.policy, self.threshold, self.min_obs = judge, policy, threshold, min_obs
-        self.rng = np.random.default_rng(seed)
-        self.entries: dict[int, Entry] = {}
-        self.next_id, self.clock = 0, 0
-        self.stats = {"requests": 0, "hits": 0, "inserts": 0, "evictions": 0}
-        self.last_decision: Decision | None = None
-        self._pending_prompt: str | None = None
-        self._ids: list[int] = []
-        self._vecs: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def _index(self) -> tuple[list[int], torch.Tensor]:
-        """Entry ids (ascending) and their retrieval vectors [n, d]; rebuilt only after an eviction or a load."""
-        if self._vecs is None:
-            self._ids = sorted(self.entries)
-            vecs = [self.sim.prepare(self.entries[i].prompt).vec for i in self._ids]
-            self._vecs = torch.stack(vecs + vecs[:1] * max(len(vecs), 16))   # spare rows for appends
-        return self._ids, self._vecs[:len(self._ids)]
-
-    def lookup(self, prompt: str) -> Decision:
-        """Decide hit or explore for `prompt` (consumes one random draw when vCache has a fitted threshold)."""
-        _check_texts([prompt], "prompt")
-        if not self.entries:
-            return Decision(False, None, None, None, None)
-        q = self.sim.prepare(prompt)
-        ids, V = self._index()
-        top = torch.topk(V @ q.vec, min(self.k, len(ids))).indices.tolist()
-        cand = [ids[i] for i in top]
-        s = self.sim.score(q, [self.sim.prepare(self.entries[i].prompt) for i in cand])
-        best = int(np.lexsort((np.asarray(cand), -s))[0])  # highest score, ties: lowest id
-        nid, sim = cand[best], round(float(s[best]), 3)
-        e = self.entries[nid]
-        if self.policy == "static":
-            return Decision(sim >= self.threshold, e.response if sim >= self.threshold else None, nid, sim, None)
-        fit = fit_threshold(e.obs_s, e.obs_c, self.min_obs)
-        if fit is None:
-            return Decision(False, None, nid, sim, 1.0)
-        tau = vcache_tau(sim, *fit, self.delta)
-        hit = self.rng.random() > tau
-        return Decision(hit, e.response if hit else None, nid, sim, tau)
-
-    def get(self, prompt: str) -> str | None:
-        """The cached response when the policy exploits, else None (then call `put` with the fresh response)."""
-        d = self.lookup(prompt)
-        self.stats["requests"] += 1
-        self.clock += 1
-        self.last_decision, self._pending_prompt = d, prompt
-        if d.hit:
-            self.stats["hits"] += 1
-            self.entries[d.neighbour].last_used = self.clock
-            return d.response
-        return None
-
-    def put(self, prompt: str, response: str, decision: Decision | None = None) -> int | None:
-        """Record the explored neighbour's observation and insert `prompt` unless the neighbour's answer was correct."""
-        _check_texts([prompt], "prompt")
-        if not isinstance(response, str):
-            raise TypeError(f"response: expected a str, got {type(response).__name__}")
-        if decision is None:
-            pending = getattr(self, "_pending_prompt", None) == prompt and self.last_decision is not None
-            decision = self.last_decision if pending else self.lookup(prompt)
-        self._pending_prompt = None
-        nb = self.entries.get(decision.neighbour) if decision.neighbour is not None else None
-        if nb is not None and self.policy == "vcache":
-            ok = bool(self.judge(nb.prompt, nb.response, prompt, response))
-            nb.obs_s.append(decision.similarity)
-            nb.obs_c.append(int(ok))
-            if ok:                                   # its answer was acceptable: a use of the entry (for LRU)
-                nb.last_used = self.clock
-                return None
-        return self._insert(prompt, response)
-
-    def _insert(self, prompt: str, response: str) -> int:
-        if self.max_entries is not None and len(self.entries) >= self.max_entries:
-            key = (lambda e: (e.last_used, e.id)) if self.eviction == "lru" else (lambda e: (e.inserted, e.id))
-            del self.entries[min(self.entries.values(), key=key).id]
-            self.stats["evictions"] += 1
-            self._vecs = None
-        eid = self.next_id
-        self.next_id += 1
-        self.entries[eid] = Entry(eid, prompt, response, inserted=self.clock, last_used=self.clock)
-        self.stats["inserts"] += 1
-        if self._vecs is not None:                   # append in place (the buffer doubles when full)
-            if len(self._ids) == self._vecs.shape[0]:
-                self._vecs = torch.cat([self._vecs, self._vecs])
-            self._vecs[len(self._ids)] = self.sim.prepare(prompt).vec
-            self._ids.append(eid)
-        return eid
-
-    def process(self, prompt: str, oracle: Callable[[str], str]) -> tuple[bool, str]:
-        """One request: (True, cached response) on exploit, else (False, oracle(prompt)) after updating the cache."""
-        cached = self.get(prompt)
-        if cached is not None:
-            return True, cached
-        response = oracle(prompt)
-        self.put(prompt, response, self.last_decision)
-        return False, response
-
-    def state(self) -> dict:
-        """Everything needed to continue this cache elsewhere (JSON-ready)."""
-        return {"format": "kimi_papers.mvr_cache/1",
-                "config": {"delta": self.delta, "k": self.k, "max_entries": self.max_entries, "eviction": self.eviction,
-                           "policy": self.policy, "threshold": self.threshold, "min_obs": self.min_obs},
-                "entries": [vars(e) for e in self.entries.values()], "next_id": self.next_id, "clock": self.clock,
-                "stats": self.stats, "rng": self.rng.bit_generator.state}
-
-    def save(self, path: Path | str) -> Path:
-        """Write `state()` as JSON atomically (a reader sees the old file or the new one)."""
-        text = json.dumps(self.state())
-        return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-
-    @classmethod
-    def load(cls, path: Path | str, sim_fn: CosineScorer, judge: Callable = same_answer) -> "VCachePolicy":
-        """A cache restored from `save`; prompts are re-encoded by `sim_fn` when first compared."""
-        st = json.loads(Path(path).read_text())
-        if st.get("format") != "kimi_papers.mvr_cache/1":
-            raise ValueError(f"{path}: not a saved VCachePolicy (format {st.get('format')!r})")
-        cache = cls(sim_fn=sim_fn, judge=judge, **st["config"])
-        cache.entries = {e["id"]: Entry(**e) for e in st["entries"]}
-        cache.next_id, cache.clock, cache.stats = st["next_id"], st["clock"], st["stats"]
-        cache.rng.bit_generator.state = st["rng"]
-        return cache
-
-# %% ../../nbs/serving/mvr_cache.ipynb #25bb0e89
-@dataclass
-class StreamResult:
-    hit: np.ndarray     # [T] bool: served from the cache
-    wrong: np.ndarray   # [T] bool: a hit whose cached answer is not acceptable under the correctness rule
-    entries: int
-
-    @property
-    def hit_rate(self) -> float:
-        return float(self.hit.mean())
-
-    @property
-    def error_rate(self) -> float:
-        """Wrong answers per request (the quantity vCache's delta bounds)."""
-        return float(self.wrong.mean())
-
-    @property
-    def error_given_hit(self) -> float:
-        """Wrong answers per hit."""
-        return float(self.wrong.sum() / max(self.hit.sum(), 1))
-
-
-def run_stream(cache: VCachePolicy, prompts: Sequence[str], generate: Callable[[str], str],
-               correct: Callable[[str, str], bool]) -> StreamResult:
-    """Feed `prompts` through `cache` in order; `correct(cached_prompt, prompt)` is the acceptability rule."""
-    hit, wrong = np.zeros(len(prompts), bool), np.zeros(len(prompts), bool)
-    for t, p in enumerate(prompts):
-        served = cache.get(p)
-        d = cache.last_decision
-        if served is None:
-            cache.put(p, generate(p), d)
-        else:
-            hit[t] = True
-            wrong[t] = not correct(cache.entries[d.neighbour].prompt, p)
-    return StreamResult(hit, wrong, len(cache))
-
-
-def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Area under the ROC curve of `scores` for binary `labels` (Mann-Whitney, ties counted one half)."""
-    scores, labels = np.asarray(scores, float), np.asarray(labels).astype(bool)
-    n_pos, n_neg = labels.sum(), (~labels).sum()
-    if n_pos == 0 or n_neg == 0:
-        raise ValueError("labels: expected both classes for an AUC")
-    order = np.argsort(scores, kind="mergesort")
-    ranks = np.empty(len(scores))
-    sorted_s = scores[order]
-    i = 0
-    while i < len(scores):
-        j = i
-        while j + 1 < len(scores) and sorted_s[j + 1] == sorted_s[i]:
-            j += 1
-        ranks[order[i:j + 1]] = (i + j) / 2 + 1
-        i = j + 1
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
-def hit_at_error(errors: Sequence[float], hits: Sequence[float], target: float) -> float:
-    """The best hit rate among operating points whose realised error is <= `target` (0 if none)."""
-    e, h = np.asarray(errors, float), np.asarray(hits, float)
-    ok = e <= target + 1e-12
-    return float(h[ok].max()) if ok.any() else 0.0
 
 # %% ../../nbs/serving/mvr_cache.ipynb #e44aeab1
 def chat_prompt(tokenizer: Any, prompt: str) -> str:
