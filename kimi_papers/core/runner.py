@@ -124,10 +124,15 @@ def _annotation_like(type_name: str) -> Any:
     return like
 
 
+def _parameters_cell(path: Path) -> dict | None:
+    """The notebook's cell tagged 'parameters', or None."""
+    cells = json.loads(Path(path).read_text()).get("cells", [])
+    return next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
+
+
 def notebook_parameters(path: Path) -> dict[str, Parameter]:
     """The parameters cell of the notebook at `path`, by name ({} when it has none)."""
-    cells = json.loads(Path(path).read_text()).get("cells", [])
-    cell = next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
+    cell = _parameters_cell(path)
     if cell is None:
         return {}
     from papermill.translators import PythonTranslator  # the parser papermill itself uses to inject and warn
@@ -139,12 +144,6 @@ def notebook_parameters(path: Path) -> dict[str, Parameter]:
         params = PythonTranslator.inspect(cell)
     finally:
         log.setLevel(level)
-    found = {p.name for p in params}
-    lost = [line for line in cell["source"].splitlines()
-            if (m := re.match(r"([A-Za-z_]\w*)\s*(?::[^=]*)?=(?!=)", line)) and m.group(1) not in found]
-    if lost:  # papermill would not inject these: a run would silently keep their defaults (e.g. run smoke for full)
-        raise ValueError(f"{path}: papermill cannot parse these lines of the parameters cell, so they could not be "
-                         f"set from the command line: {lost} (a '=', '<=' or '>=' inside the comment is the usual cause)")
     return {p.name: Parameter(p.name, p.default, "" if p.inferred_type_name == "None" else p.inferred_type_name, p.help)
             for p in params}
 
@@ -162,6 +161,13 @@ def check_params(book: "Workbook", params: dict[str, Any], profile: str | None =
         if val is None and (p.default.strip() == "None" or p.type_name.lower().startswith("optional")):
             continue  # None = "take it from the profile"
         check_like(f"-p {key}", val, p.like, f" ({book.slug}'s default)")
+    if profile is not None and "profile" not in declared:
+        src = (_parameters_cell(book.path) or {}).get("source", "")
+        src = "".join(src) if isinstance(src, list) else src
+        lost = [ln for ln in src.splitlines() if re.match(r"profile\s*(?::[^=]*)?=(?!=)", ln)]
+        if lost:  # papermill would not inject it: `--profile full` would silently run the notebook's default profile
+            raise ValueError(f"{book.slug}: papermill cannot parse the parameters-cell line {lost[0]!r}, so the profile "
+                             "could not be set (a '=', '<=' or '>=' inside its comment is the usual cause)")
     out = {"profile": profile} if profile is not None and "profile" in declared else {}
     return {**out, **params}
 

@@ -1,0 +1,202 @@
+"""Library tests of kimi_papers.rl.hpo: the corridor, Sinkhorn potentials, hindsight step weights, the mixed advantage."""
+import math
+
+import pytest
+import torch
+from scipy.stats import wasserstein_distance
+
+from kimi_papers.core.rl import Episode, RolloutBatch, get_advantage, grpo_advantage
+from kimi_papers.rl.hpo import (
+    PARAPHRASES, KeyDoorCorridor, OneHotIntents, RandomIntents, coef_schedule, corridor_configs, embed_steps,
+    flat_grad, grad_variance, hpo_advantage, hpo_advantages, hpo_step_weights, identity_cost, min_steps, pairwise_cost,
+    play, policy_for, policy_loss, sinkhorn_potentials, softmin, softmin_compiled, step_table, transport_plan)
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_oracle_solves_every_config_in_min_steps():
+    for door, H in ((True, 12), (False, 8)):
+        for c in corridor_configs(9, H, door):
+            e = KeyDoorCorridor(horizon=H, door=door, config=c)
+            total = 0.0
+            while not e.done:
+                total += e.step(PARAPHRASES[e.oracle()][1])[1]
+            assert total == 1.0 and e.t == min_steps(*c, door=door)
+
+
+def test_locked_door_and_no_ops():
+    e = KeyDoorCorridor(config=(3, 0, 7))
+    e.step("move right")
+    assert e.pos == 4
+    e.step("walk east"); e.step("open the door")
+    assert e.pos == 4 and not e.door_open  # no key: the door stays shut
+    before = e.observation()
+    assert e.step("fly away")[0] == before and e.t == 4  # unknown text: a no-op that costs a turn
+    with pytest.raises(ValueError, match="config"):
+        KeyDoorCorridor(config=(4, 0, 8))
+
+
+def test_sinkhorn_matches_exact_1d_w1():
+    g = _gen(3)
+    x, y = torch.rand(30, 1, generator=g, dtype=torch.float64), torch.rand(25, 1, generator=g, dtype=torch.float64) * 0.8 + 0.5
+    f, gg = sinkhorn_potentials(x, y, eps=0.01, n_iter=400)
+    assert abs(float(f.mean() + gg.mean()) - wasserstein_distance(x.flatten().numpy(), y.flatten().numpy())) < 2e-2
+
+
+def test_plan_marginals_and_permutation():
+    g = _gen(4)
+    x, y = torch.randn(10, 4, generator=g, dtype=torch.float64), torch.randn(7, 4, generator=g, dtype=torch.float64)
+    f, gg = sinkhorn_potentials(x, y, eps=0.3, n_iter=300)
+    P = transport_plan(x, y, f, gg, 0.3)
+    assert torch.allclose(P.sum(1), torch.full((10,), 0.1, dtype=torch.float64), atol=1e-4)
+    assert torch.allclose(P.sum(0), torch.full((7,), 1 / 7, dtype=torch.float64), atol=1e-4)
+    px = torch.randperm(10, generator=g)
+    f2, _ = sinkhorn_potentials(x[px], y, eps=0.3, n_iter=300)
+    assert torch.allclose(f2, f[px], atol=1e-10)
+
+
+def test_identical_clouds_give_equal_potentials_and_zero_weights():
+    x = torch.randn(9, 3, generator=_gen(5), dtype=torch.float64)
+    f, g = sinkhorn_potentials(x, x.clone(), eps=0.05, n_iter=100)
+    assert torch.equal(f, g)
+    traj = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]); pos = torch.tensor([0, 1] * 4)
+    w = hpo_step_weights(torch.ones(8, 3), traj, pos, torch.tensor([1.0, 1, 0, 0]), torch.zeros(4, dtype=torch.long),
+                         min_pos=2, min_neg=2)
+    assert (w == 0).all()
+
+
+def test_padded_batch_equals_single_problems():
+    g = _gen(6)
+    x, y = torch.randn(8, 3, generator=g, dtype=torch.float64), torch.randn(5, 3, generator=g, dtype=torch.float64)
+    X = torch.zeros(2, 8, 3, dtype=torch.float64); X[0], X[1, :4] = x, x[:4]
+    a = torch.zeros(2, 8, dtype=torch.float64); a[0], a[1, :4] = 1, 1
+    fb, _ = sinkhorn_potentials(X, torch.stack([y, y]), a, None, eps=0.05)
+    assert torch.allclose(fb[0], sinkhorn_potentials(x, y, eps=0.05)[0], atol=1e-12)
+    assert torch.allclose(fb[1, :4], sinkhorn_potentials(x[:4], y, eps=0.05)[0], atol=1e-12)
+
+
+def test_sinkhorn_bad_input():
+    x = torch.randn(4, 2)
+    for eps in (0, -0.1, float("inf")):
+        with pytest.raises(ValueError, match="eps"):
+            sinkhorn_potentials(x, x, eps=eps)
+    with pytest.raises(ValueError, match="non-finite costs"):
+        sinkhorn_potentials(torch.full((4, 2), float("nan")), x)
+    with pytest.raises(ValueError, match="weights"):
+        sinkhorn_potentials(x, x, a=torch.zeros(4))
+
+
+def test_identity_cost_is_the_one_hot_distance():
+    ids = torch.tensor([[2.0, 0, 2, 1, 0]])
+    eye = torch.eye(3)[ids.long()]
+    assert torch.allclose(identity_cost(ids, ids), pairwise_cost(eye, eye), atol=1e-6)
+
+
+def test_step_weights_hand_case_and_forms():
+    E = torch.tensor([[0.0], [0.0], [0.0], [0.0], [1.0], [0.0], [1.0], [0.0]])
+    traj = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]); pos = torch.tensor([0, 1] * 4)
+    rew, uid = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.long)
+    w = hpo_step_weights(E, traj, pos, rew, uid)
+    assert (w[E[:, 0] == 1] < 0).all() and (w[E[:, 0] == 0] > 0).all()
+    assert abs(float(w.mean())) < 1e-5 and abs(float(w.std()) - 1) < 1e-4
+    wc = hpo_step_weights(E, traj, pos, rew, uid, form="code")
+    assert (wc[pos == 0] == 0).all() and float(wc.abs().max()) <= 0.5 + 1e-6  # clip 1 x positive-step fraction 4/8
+    assert (hpo_step_weights(E, traj, pos, rew, uid, min_pos=5) == 0).all()  # too few positive steps
+    assert torch.equal(hpo_step_weights(E, traj, pos, rew, uid, form="paper-clip", clip=0.3), w.clamp(-0.3, 0.3))
+    wg = hpo_step_weights(E, traj, pos, rew, uid, form="paper-group")
+    assert torch.allclose(wg, w, atol=1e-6)  # one group: the group std is the batch std
+    with pytest.raises(ValueError, match="form"):
+        hpo_step_weights(E, traj, pos, rew, uid, form="other")
+
+
+def test_mixed_advantage_identity_and_hand_case():
+    A = torch.randn(3, 5, generator=_gen(7))
+    si = torch.tensor([[0, 0, 1, -1, -1], [0, 1, 2, 2, -1], [-1, -1, -1, -1, -1]])
+    A = A * (si >= 0)
+    W = torch.randn(3, 3, generator=_gen(8))
+    assert torch.equal(hpo_advantages(A, W, si, 0.0), A)
+    got = hpo_advantages(A, W, si, 2.0)
+    assert torch.allclose(got[0, 1], (A[0, 1] + 2 * W[0, 0]) / 3) and torch.allclose(got[1, 3], (A[1, 3] + 2 * W[1, 2]) / 3)
+    assert (got[2] == 0).all()
+    with pytest.raises(ValueError, match="coef"):
+        hpo_advantages(A, W, si, float("nan"))
+
+
+def test_registered_advantage_on_a_token_level_episode_batch():
+    """A core EnvRunner-style batch: several tokens per step, core Episode objects; c = 0 gives GRPO exactly."""
+    G, T = 8, 9
+    si = torch.tensor([-1, -1, 0, 0, -1, 1, 1, -1, 2]).expand(G, T).clone()
+    obs = ["start", "middle", "late", "end"]
+    eps = [Episode(observations=obs, actions=[f"a{i % 2}", f"b{i % 3}", "c"]) for i in range(G)]
+    reward = torch.tensor([1.0, 0, 1, 0, 1, 0, 0, 0])
+    b = RolloutBatch(input_ids=torch.zeros(G, T, dtype=torch.long), attn_mask=torch.ones(G, T, dtype=torch.long),
+                     resp_mask=(si >= 0).long(), reward=reward, uid=torch.zeros(G, dtype=torch.long), step_index=si,
+                     episodes=eps)
+    enc = OneHotIntents()
+    assert torch.equal(get_advantage("hpo")(b, encoder=enc, coef=0.0), grpo_advantage(b))
+    a = hpo_advantage(b, encoder=enc, coef=0.5, n_iter=None)
+    for j in range(3):  # one value per step, spread over all of its tokens
+        cols = (si[0] == j).nonzero().flatten()
+        assert torch.allclose(a[:, cols], a[:, cols[:1]].expand(-1, len(cols)))
+    assert not torch.allclose(a, grpo_advantage(b) / 1.5)
+
+
+def test_step_table_and_encoders():
+    texts, traj, pos = step_table([(["o0", "o1"], ["x", ""]), Episode(observations=["p0", "p1"], actions=["y"])])
+    assert texts == ["o0 | x", "p0 | y"] and traj.tolist() == [0, 1] and pos.tolist() == [0, 0]
+    r = RandomIntents(seed=1)
+    v = embed_steps(["s | a", "s | b"], r)
+    assert v.shape == (2, 384) and torch.equal(RandomIntents(seed=1)(["s | b"])[0], v[1])
+    with pytest.raises(ValueError, match="empty step texts"):
+        embed_steps([""], r)
+    with pytest.raises(TypeError, match="list of strings"):
+        embed_steps("s | a", r)
+
+
+def test_policy_gradient_is_reinforce_at_ratio_one_and_grad_variance():
+    pol = policy_for(KeyDoorCorridor(), seed=1)
+    b = play(pol, [KeyDoorCorridor(config=(2, 1, 6)) for _ in range(8)], _gen(2), uid=[0] * 8)
+    b.reward = (torch.arange(8) % 2).float()
+    adv = grpo_advantage(b)
+    g = flat_grad(pol, policy_loss(pol, b, adv, None))
+    m = b.resp_mask.bool()
+    lp = pol(b.feats).gather(-1, b.input_ids[..., None]).squeeze(-1)
+    assert torch.allclose(g, flat_grad(pol, -(adv * lp)[m].sum() / m.sum()), atol=1e-7)
+    gv = grad_variance(torch.tensor([[0.0, 2.0], [2.0, 2.0]]))
+    assert gv["trace"] == pytest.approx(2.0) and gv["mean_sq"] == pytest.approx(5.0) and gv["relative"] == pytest.approx(0.4)
+
+
+def test_coef_schedule():
+    assert coef_schedule(4, 100, 10, 1.0, 0.0) == pytest.approx(0.5)
+    assert coef_schedule(55, 100, 10, 1.0, 0.0) == pytest.approx(0.5)
+    assert coef_schedule(100, 100, 10, 1.0, 0.0) == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_compiled_softmin_equals_eager():
+    C = torch.rand(4, 20, 12, generator=_gen(9)) * 2
+    h, e = torch.randn(4, 12, generator=_gen(10)), torch.full((4,), 0.02)
+    ref = softmin(e, C, h)
+    assert ((softmin_compiled(e, C, h) - ref).abs() / ref.abs().clamp(min=1e-6)).max() <= 1e-5
+
+
+@gpu
+@needs_cuda
+def test_cuda_matches_cpu():
+    g = _gen(11)
+    x, y = torch.randn(3, 12, 6, generator=g), torch.randn(3, 7, 6, generator=g)
+    f, gg = sinkhorn_potentials(x, y, eps=0.05)
+    fc, gc = sinkhorn_potentials(x.cuda(), y.cuda(), eps=0.05)
+    assert fc.device.type == "cuda" and torch.allclose(fc.cpu(), f, atol=1e-4) and torch.allclose(gc.cpu(), gg, atol=1e-4)
+    E = torch.randn(8, 3, generator=g)
+    args = (torch.tensor([0, 0, 1, 1, 2, 2, 3, 3]), torch.tensor([0, 1] * 4), torch.tensor([1.0, 1, 0, 0]),
+            torch.zeros(4, dtype=torch.long))
+    w = hpo_step_weights(E, *args, min_pos=2, min_neg=2)
+    wc = hpo_step_weights(E.cuda(), *[a.cuda() for a in args], min_pos=2, min_neg=2)
+    assert wc.device.type == "cuda" and torch.allclose(wc.cpu(), w, atol=1e-3)
