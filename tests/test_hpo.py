@@ -5,10 +5,10 @@ import pytest
 import torch
 from scipy.stats import wasserstein_distance
 
-from kimi_papers.core.rl import Episode, RolloutBatch, get_advantage, grpo_advantage
+from kimi_papers.core.rl import Episode, RolloutBatch, flat_grad, get_advantage, grad_variance, grpo_advantage
 from kimi_papers.rl.hpo import (
     PARAPHRASES, KeyDoorCorridor, OneHotIntents, RandomIntents, coef_schedule, corridor_configs, embed_steps,
-    flat_grad, grad_variance, hpo_advantage, hpo_advantages, hpo_step_weights, identity_cost, min_steps, pairwise_cost,
+    hpo_advantage, hpo_advantages, hpo_step_weights, identity_cost, min_steps, pairwise_cost,
     play, policy_for, policy_loss, sinkhorn_potentials, softmin, softmin_compiled, step_table, transport_plan)
 
 CUDA = torch.cuda.is_available()
@@ -164,10 +164,10 @@ def test_policy_gradient_is_reinforce_at_ratio_one_and_grad_variance():
     b = play(pol, [KeyDoorCorridor(config=(2, 1, 6)) for _ in range(8)], _gen(2), uid=[0] * 8)
     b.reward = (torch.arange(8) % 2).float()
     adv = grpo_advantage(b)
-    g = flat_grad(pol, policy_loss(pol, b, adv, None))
+    g = flat_grad(policy_loss(pol, b, adv, None), pol.parameters())
     m = b.resp_mask.bool()
     lp = pol(b.feats).gather(-1, b.input_ids[..., None]).squeeze(-1)
-    assert torch.allclose(g, flat_grad(pol, -(adv * lp)[m].sum() / m.sum()), atol=1e-7)
+    assert torch.allclose(g, flat_grad(-(adv * lp)[m].sum() / m.sum(), pol.parameters()), atol=1e-7)
     gv = grad_variance(torch.tensor([[0.0, 2.0], [2.0, 2.0]]))
     assert gv["trace"] == pytest.approx(2.0) and gv["mean_sq"] == pytest.approx(5.0) and gv["relative"] == pytest.approx(0.4)
 

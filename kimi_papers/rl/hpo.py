@@ -16,16 +16,17 @@ from torch import Tensor, nn
 
 from ..core.config import check_int
 from ..core.kernels import compile_fn
-from ..core.rl import (
-    RolloutBatch, aggregate, freeze_reference, grpo_advantage, kl_penalty, ppo_clip_loss, register_advantage)
+from kimi_papers.core.rl import (
+    RolloutBatch, aggregate, flat_grad, freeze_reference, grad_variance, grpo_advantage, kl_penalty, ppo_clip_loss,
+    register_advantage)
 
 # %% auto #0
 __all__ = ['INTENTS', 'PARAPHRASES', 'DOOR', 'LOSS_CFG', 'softmin_compiled', 'FORMS', 'ARMS', 'min_steps', 'KeyDoorCorridor',
            'corridor_configs', 'corridor_observations', 'CorridorPolicy', 'policy_for', 'play', 'policy_loss',
-           'flat_grad', 'grad_variance', 'corridor_eval', 'warm_policy', 'IntentEncoder', 'MiniLMIntents',
-           'OneHotIntents', 'RandomIntents', 'step_text', 'embed_steps', 'step_table', 'softmin', 'sinkhorn_potentials',
-           'pairwise_cost', 'identity_cost', 'transport_plan', 'hpo_step_weights', 'hpo_advantages', 'coef_schedule',
-           'hpo_advantage', 'make_encoders', 'arm_advantage', 'train_arm', 'measure_grad_variance', 'run_hpo']
+           'corridor_eval', 'warm_policy', 'IntentEncoder', 'MiniLMIntents', 'OneHotIntents', 'RandomIntents',
+           'step_text', 'embed_steps', 'step_table', 'softmin', 'sinkhorn_potentials', 'pairwise_cost', 'identity_cost',
+           'transport_plan', 'hpo_step_weights', 'hpo_advantages', 'coef_schedule', 'hpo_advantage', 'make_encoders',
+           'arm_advantage', 'train_arm', 'measure_grad_variance', 'run_hpo']
 
 # %% ../../nbs/rl/hpo.ipynb #11afce83
 INTENTS = ("left", "right", "pickup", "open")
@@ -220,22 +221,6 @@ def policy_loss(policy: CorridorPolicy, batch: RolloutBatch, adv: Tensor, ref: n
             ref_lp = ref(batch.feats).gather(-1, batch.input_ids[..., None]).squeeze(-1)
         loss = loss + beta_kl * aggregate(kl_penalty(logp, ref_lp, m, "k3"), m, "token-mean")
     return loss
-
-
-def flat_grad(policy: nn.Module, loss: Tensor) -> Tensor:
-    """The gradient of `loss` in the trainable parameters, flattened [P] (parameters' .grad left untouched)."""
-    params = [p for p in policy.parameters() if p.requires_grad]
-    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
-
-
-def grad_variance(grads: Tensor) -> dict:
-    """Spread of k gradient samples grads [k, P]: trace of the (unbiased) covariance, |mean|^2, and their ratio."""
-    if grads.ndim != 2 or grads.shape[0] < 2:
-        raise ValueError(f"grads: expected [k >= 2, P] gradient samples, got {tuple(grads.shape)}")
-    g = grads.double()
-    tr = float(g.var(0, unbiased=True).sum())
-    sq = float(g.mean(0).pow(2).sum())
-    return {"trace": tr, "mean_sq": sq, "relative": tr / sq if sq > 0 else float("inf")}
 
 
 def _envs(configs: Sequence[tuple], group: int, env_kw: dict) -> list[KeyDoorCorridor]:
@@ -658,7 +643,7 @@ def measure_grad_variance(pol: CorridorPolicy, ref: nn.Module, rng: random.Rando
         b = play(pol, _envs([rng.choice(cfgs) for _ in range(cfg["gradvar_prompts"])], cfg["group"], cfg["env_kw"]),
                  gen, uid=[k for k in range(cfg["gradvar_prompts"]) for _ in range(cfg["group"])])
         for name, adv in (("grpo", grpo_advantage(b)), ("hpo", arm_advantage(hpo, b, encoders, cfg["coef"], kernel, None, cfg["n_iter"]))):
-            grads[name].append(flat_grad(pol, policy_loss(pol, b, adv, ref, 0.0)))
+            grads[name].append(flat_grad(policy_loss(pol, b, adv, ref, 0.0), pol.parameters()))
     g, h = grad_variance(torch.stack(grads["grpo"])), grad_variance(torch.stack(grads["hpo"]))
     return {"grpo_trace": g["trace"], "hpo_trace": h["trace"], "grpo_rel": g["relative"], "hpo_rel": h["relative"],
             "grpo_mean_sq": g["mean_sq"], "hpo_mean_sq": h["mean_sq"]}

@@ -20,7 +20,7 @@ from torch import Tensor
 from ..core.kernels import compile_fn
 from ..core.token_stats import token_stats, token_stats_from_logits
 from ..core.rl import (ADVANTAGES, HiddenStates, Policy, Problem, RolloutBatch, Task, Trainer, aggregate,
-                                 position_ids,
+                                 flat_grad, position_ids,
                                  generate, register_advantage, sequence_stats, tiny_policy)
 
 # %% auto #0
@@ -111,12 +111,6 @@ class ChainSumTask(Task):
         return len(self.make_from([9] * self.kmax).solution)
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #ae407fd7
-def _flat_grad(out: Tensor, params: Sequence[Tensor]) -> Tensor:
-    """The gradient of a scalar w.r.t. `params`, flattened (zeros for unused parameters)."""
-    gs = torch.autograd.grad(out, params, retain_graph=True, allow_unused=True)
-    return torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(gs, params)])
-
-
 def token_grad_energies(policy: Policy, input_ids: Tensor, attn_mask: Tensor, resp_mask: Tensor,
                         param_tokens: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per response token: the proxy from the fused kernel vs exact logit / LM-head / full-parameter energies.
@@ -152,12 +146,12 @@ def token_grad_energies(policy: Policy, input_ids: Tensor, attn_mask: Tensor, re
         pick = set(np.linspace(0, n - 1, k).round().astype(int).tolist()) if k else set()
         for j in range(n):
             (gU,) = torch.autograd.grad(head_lp[j], Uc, retain_graph=True)
-            pe = float(_flat_grad(lp[j], params).pow(2).sum()) if j in pick else float("nan")
+            pe = float(flat_grad(lp[j], params, retain_graph=True).pow(2).sum()) if j in pick else float("nan")
             tok.append({"row": r, "t": int(cols[j]) + 1, "proxy": float(proxy[j]), "exact_logit": float(exact_z[j]),
                         "head_exact": float(gU.pow(2).sum()), "head_formula": float(proxy[j] * hs[j].pow(2).sum()),
                         "param_exact": pe})
         seq.append({"row": r, "length": n, "W": float(proxy.sum()),
-                    "param_exact": float(_flat_grad(lp.sum(), params).pow(2).sum())})
+                    "param_exact": float(flat_grad(lp.sum(), params, retain_graph=True).pow(2).sum())})
     return pd.DataFrame(tok), pd.DataFrame(seq)
 
 
@@ -444,7 +438,7 @@ def empirical_grad_variance(policy: Policy, task: Task, estimators: Mapping[str,
             b.old_logp, b.sum_pi2, b.entropy = st["logp"].detach(), st["sum_pi2"].detach(), st["entropy"].detach()
             for k, fn in fns.items():
                 adv = fn(b).to(st["logp"].dtype)
-                v = _flat_grad(aggregate(-adv * st["logp"], b.resp_mask, agg), params).double()
+                v = flat_grad(aggregate(-adv * st["logp"], b.resp_mask, agg), params, retain_graph=True).double()
                 s1[k] = v if s1[k] is None else s1[k] + v
                 s2[k] += float(v @ v)
         for k in fns:

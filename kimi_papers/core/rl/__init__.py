@@ -9,9 +9,10 @@ __all__ = ['ArithmeticTask', 'CountdownTask', 'Problem', 'Task', 'eval_expressio
            'agg_parts', 'aggregate', 'check_rewards', 'dr_grpo_advantage', 'freeze_reference', 'get_advantage',
            'get_loss', 'group_index', 'group_mean', 'group_std', 'grpo_advantage', 'grpo_loss', 'grpo_trl_advantage',
            'kl_estimate', 'kl_penalty', 'pmd_regression_loss', 'ppo_clip_loss', 'register_advantage', 'register_loss',
-           'reinforce_loss', 'rloo_advantage', 'effective_group_ratio', 'evaluate', 'pass_at_k', 'EnvRunner', 'Episode',
-           'TextEnv', 'generate_pairs', 'group_rewards', 'paired_reward', 'ARITH_WARMSTART', 'Trainer', 'fixture_path',
-           'sft_batch', 'sft_warmstart', 'tiny_policy', 'warm_arith_policy']
+           'reinforce_loss', 'rloo_advantage', 'effective_group_ratio', 'evaluate', 'flat_grad', 'grad_variance',
+           'pass_at_k', 'EnvRunner', 'Episode', 'TextEnv', 'generate_pairs', 'group_rewards', 'paired_reward',
+           'ARITH_WARMSTART', 'Trainer', 'fixture_path', 'sft_batch', 'sft_warmstart', 'tiny_policy',
+           'warm_arith_policy']
 
 # %% ../../../nbs/core/rl/overview.ipynb #8da73b02
 from .tasks import ArithmeticTask, CountdownTask, Problem, Task, eval_expression
@@ -23,7 +24,7 @@ from .objectives import (
     check_rewards, dr_grpo_advantage, freeze_reference, get_advantage, get_loss, group_index, group_mean,
     group_std, grpo_advantage, grpo_loss, grpo_trl_advantage, kl_estimate, kl_penalty, pmd_regression_loss,
     ppo_clip_loss, register_advantage, register_loss, reinforce_loss, rloo_advantage)
-from .metrics import effective_group_ratio, evaluate, pass_at_k
+from .metrics import effective_group_ratio, evaluate, flat_grad, grad_variance, pass_at_k
 from .episodes import EnvRunner, Episode, TextEnv, generate_pairs, group_rewards, paired_reward
 from .trainer import (
     ARITH_WARMSTART, Trainer, fixture_path, sft_batch, sft_warmstart, tiny_policy, warm_arith_policy)
@@ -36,6 +37,6 @@ _all_ = ['ArithmeticTask', 'CountdownTask', 'Problem', 'Task', 'eval_expression'
          'freeze_reference', 'get_advantage', 'get_loss', 'group_index', 'group_mean', 'group_std',
          'grpo_advantage', 'grpo_loss', 'grpo_trl_advantage', 'kl_estimate', 'kl_penalty',
          'pmd_regression_loss', 'ppo_clip_loss', 'register_advantage', 'register_loss', 'reinforce_loss',
-         'rloo_advantage', 'effective_group_ratio', 'evaluate', 'pass_at_k', 'EnvRunner', 'Episode', 'TextEnv',
+         'rloo_advantage', 'effective_group_ratio', 'evaluate', 'flat_grad', 'grad_variance', 'pass_at_k', 'EnvRunner', 'Episode', 'TextEnv',
          'generate_pairs', 'group_rewards', 'paired_reward', 'ARITH_WARMSTART', 'Trainer', 'fixture_path',
          'sft_batch', 'sft_warmstart', 'tiny_policy', 'warm_arith_policy']
