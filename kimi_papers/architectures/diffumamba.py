@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..core.config import check_int
 from ..core.flops import Cost, linear_cost, register_cost
 from ..core.kernels import compile_fn
 from ..core.nn import MLP, Attention, Block, LMConfig, MaskedLM, RMSNorm, default_ffn, default_mixer
@@ -30,8 +31,7 @@ __all__ = ['PATTERNS', 'ssd_reference', 'ssd_chunked', 'ssd_flops', 'param_count
 # %% ../../nbs/architectures/diffumamba.ipynb #e6f73357
 def _check_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, chunk: int) -> None:
     """Shapes of the SSD inputs: x [b, L, H, P], dt [b, L, H], A and D [H] or [b, H], B and C [b, L, N]."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"chunk={chunk!r}: expected an int >= 1")
+    check_int("chunk", chunk)
     if x.dim() != 4:
         raise ValueError(f"x: expected [batch, length, heads, headdim], got shape {tuple(x.shape)}")
     b, L, H, P = x.shape
@@ -169,8 +169,7 @@ class Mamba2Mixer(nn.Module):
                  chunk: int = 64, compiled: bool = False):
         super().__init__()
         for name, v in (("d", d), ("expand", expand), ("headdim", headdim), ("d_state", d_state), ("d_conv", d_conv), ("chunk", chunk)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}: expected an int >= 1")
+            check_int(name, v)
         self.d_inner = expand * d
         if self.d_inner % headdim:
             raise ValueError(f"headdim={headdim}: expected a divisor of expand * d = {self.d_inner}")
@@ -417,8 +416,7 @@ def _reveal_step(x: Tensor, logits: Tensor, t: float, s: float, mask_id: int, ge
 
 def _check_sampler(length: int, steps: int, name: str = "length") -> None:
     for key, v in ((name, length), ("steps", steps)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{key}={v!r}: expected an int >= 1")
+        check_int(key, v)
 
 
 @torch.no_grad()
@@ -505,8 +503,7 @@ def time_forward(model: nn.Module, lengths: Sequence[int], reps: int = 5, batch:
     min of `reps` timed calls (after `warmup` untimed ones) in the chosen clock, the median wall time and tokens/s."""
     if not lengths or any(isinstance(L, bool) or not isinstance(L, int) or L < 1 for L in lengths):
         raise ValueError(f"lengths={lengths!r}: expected a non-empty list of ints >= 1")
-    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
-        raise ValueError(f"reps={reps!r}: expected an int >= 1")
+    check_int("reps", reps)
     dev = next(model.parameters()).device
     now, _ = _clocks(dev, clock)
     g = torch.Generator().manual_seed(seed)

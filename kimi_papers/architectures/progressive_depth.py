@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from ..core.config import check_int
 from ..core import flops as core_flops
 from ..core.kernels import compile_fn
 from ..core.nn import Block, CausalLM, LMConfig, default_ffn, default_mixer
@@ -408,8 +409,7 @@ def train_run(cfg_src: GPTConfig, n_layer_target: int, total_steps: int, tau_fra
     [(τ-fraction, depth), ...]); with neither, a fixed-depth run of the target depth. One WSD/cosine schedule over
     all T steps, Muon-NSGD throughout, core.nn's train() for the steps, val loss every `eval_every` steps
     and at `eval_steps` (on `eval_batches` fixed held-out batches; `final_eval_batches` of them at step T)."""
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 2:
-        raise ValueError(f"total_steps={total_steps!r}: expected an int >= 2")
+    check_int("total_steps", total_steps, 2)
     if schedule not in SCHEDULE_FNS:
         raise ValueError(f"schedule={schedule!r}: expected one of {tuple(SCHEDULE_FNS)}")
     if opt_state not in ("fresh", "copy"):

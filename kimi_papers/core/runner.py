@@ -124,33 +124,40 @@ def _annotation_like(type_name: str) -> Any:
     return like
 
 
-def _parameters_cell(path: Path) -> dict | None:
-    """The notebook's cell tagged 'parameters', or None."""
+def _parameters_source(path: Path) -> str | None:
+    """The source of the notebook's cell tagged 'parameters', or None when it has none."""
     cells = json.loads(Path(path).read_text()).get("cells", [])
-    return next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
-
-
-def notebook_parameters(path: Path) -> dict[str, Parameter]:
-    """The parameters cell of the notebook at `path`, by name ({} when it has none)."""
-    cell = _parameters_cell(path)
+    cell = next((c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])), None)
     if cell is None:
+        return None
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def _parse_parameters(src: str | None) -> dict[str, Parameter]:
+    """A parameters cell's source, parsed as papermill parses it, by name ({} for None)."""
+    if src is None:
         return {}
     from papermill.translators import PythonTranslator  # the parser papermill itself uses to inject and warn
-    src = cell.get("source", "")
-    cell = {**cell, "source": "".join(src) if isinstance(src, list) else src}
     log = logging.getLogger("papermill")
     level, log.level = log.level, logging.ERROR  # its parse warnings are shown from the run itself (summary)
     try:
-        params = PythonTranslator.inspect(cell)
+        params = PythonTranslator.inspect({"cell_type": "code", "source": src})
     finally:
         log.setLevel(level)
     return {p.name: Parameter(p.name, p.default, "" if p.inferred_type_name == "None" else p.inferred_type_name, p.help)
             for p in params}
 
 
+def notebook_parameters(path: Path) -> dict[str, Parameter]:
+    """The parameters cell of the notebook at `path`, by name ({} when it has none)."""
+    return _parse_parameters(_parameters_source(path))
+
+
 def check_params(book: "Workbook", params: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
     """`params` checked against `book`'s parameters cell, plus `profile` where the notebook declares one."""
-    declared = notebook_parameters(book.path)
+    src = _parameters_source(book.path)
+    declared = _parse_parameters(src)
     for key, val in params.items():
         if key not in declared:
             close = difflib.get_close_matches(key, list(declared), n=1)
@@ -162,9 +169,7 @@ def check_params(book: "Workbook", params: dict[str, Any], profile: str | None =
             continue  # None = "take it from the profile"
         check_like(f"-p {key}", val, p.like, f" ({book.slug}'s default)")
     if profile is not None and "profile" not in declared:
-        src = (_parameters_cell(book.path) or {}).get("source", "")
-        src = "".join(src) if isinstance(src, list) else src
-        lost = [ln for ln in src.splitlines() if re.match(r"profile\s*(?::[^=]*)?=(?!=)", ln)]
+        lost = [ln for ln in (src or "").splitlines() if re.match(r"profile\s*(?::[^=]*)?=(?!=)", ln)]
         if lost:  # papermill would not inject it: `--profile full` would silently run the notebook's default profile
             raise ValueError(f"{book.slug}: papermill cannot parse the parameters-cell line {lost[0]!r}, so the profile "
                              "could not be set (a '=', '<=' or '>=' inside its comment is the usual cause)")

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..core.config import check_int
 from ..core.kernels import compile_fn
 from ..core.rl.rollout import KVDecoder, Policy, generate
 
@@ -43,8 +44,7 @@ STRING_CHARS = r'[ !#-\[\]-~]'  # printable ASCII without `"` and `\`: a JSON st
 def schema_regex(max_steps: int = 3, max_chars: int = 60) -> str:
     """The regex of our compact JSON `{"steps": [s1, ...], "answer": "<int>"}` (1..max_steps steps of 1..max_chars chars)."""
     for name, val, lo in (("max_steps", max_steps, 1), ("max_chars", max_chars, 1)):
-        if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-            raise ValueError(f"{name}={val!r}: expected an int >= {lo}")
+        check_int(name, val, lo)
     s = f'"{STRING_CHARS}{{1,{max_chars}}}"'
     more = f"(, {s}){{0,{max_steps - 1}}}" if max_steps > 1 else ""
     return r'\{"steps": \[' + s + more + r'\], "answer": "-?[0-9]{1,4}"\}'
@@ -322,10 +322,7 @@ def constrained_batch(policy: Policy, prompts: Sequence[Sequence[int]], masker: 
                       temperature: float = 0.0, seed: int | None = None, compiled: bool = True) -> list[Constrained]:
     """Constrained decoding of a batch of prompt-id lists under `masker` (greedy at T = 0), with a KV cache."""
     temperature = _check_temperature(temperature)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an int >= 1")
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts: expected a non-empty list of non-empty token-id lists")
+    check_int("max_new_tokens", max_new_tokens)
     if masker.vocab_size > policy.head()[0].shape[0]:
         raise ValueError(f"masker: built for {masker.vocab_size} tokens, the model has {policy.head()[0].shape[0]}")
     gen = torch.Generator().manual_seed(0 if seed is None else seed) if temperature > 0 else None
@@ -536,10 +533,8 @@ def _pool(pool_seed: int = 0) -> tuple[WordProblem, ...]:
 
 def make_problems(n: int, seed: int = 0) -> list[WordProblem]:
     """`n` problems for `seed`: disjoint slices of one fixed pool, so different seeds never share a problem."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n={n!r}: expected an int >= 1")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r}: expected an int >= 0")
+    check_int("n", n)
+    check_int("seed", seed, 0)
     pool = _pool()
     if (seed + 1) * n > len(pool):
         raise ValueError(f"n={n}, seed={seed}: the pool holds only {len(pool)} problems ({len(pool) // n} disjoint sets of {n})")

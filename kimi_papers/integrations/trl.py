@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ..core.config import check_int
 from ..rl.optimal_token_baseline import otb_advantages, otb_multiturn_advantages, outcome_token_rewards
 from ..rl.entropy_discrepancy import ED_KINDS, ED_POOLS, EDScheduler, entropy_discrepancy
 from ..rl.pmd_mean import PMD_AGGS, PMD_MODES, pmd_advantages, pmd_loss
@@ -39,8 +40,7 @@ def require_trl() -> Any:
 # %% ../../nbs/integrations/trl.ipynb #69a30d68
 def trl_group_uids(rewards: Tensor, num_generations: int) -> Tensor:
     """Group ids [rows] long for TRL's layout (row i answers prompt i // G); a NaN-reward row is a group of its own."""
-    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
-        raise ValueError(f"num_generations={num_generations!r}: expected an int >= 1")
+    check_int("num_generations", num_generations)
     if not isinstance(rewards, Tensor) or rewards.ndim != 1:
         raise ValueError(f"rewards: expected a 1-D tensor [rows], got {getattr(rewards, 'shape', type(rewards).__name__)}")
     rows = rewards.shape[0]
