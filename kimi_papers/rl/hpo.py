@@ -16,9 +16,9 @@ from torch import Tensor, nn
 
 from ..core.config import check_int
 from ..core.kernels import compile_fn
-from kimi_papers.core.rl import (
-    RolloutBatch, aggregate, flat_grad, freeze_reference, grad_variance, grpo_advantage, kl_penalty, ppo_clip_loss,
-    register_advantage)
+from ..core.rl import (
+    RolloutBatch, aggregate, flat_grad, freeze_reference, grad_variance, grpo_advantage, kl_penalty, play_feature_policy,
+    ppo_clip_loss, register_advantage)
 
 # %% auto #0
 __all__ = ['INTENTS', 'PARAPHRASES', 'DOOR', 'LOSS_CFG', 'softmin_compiled', 'FORMS', 'ARMS', 'min_steps', 'KeyDoorCorridor',
@@ -169,41 +169,10 @@ def policy_for(env: KeyDoorCorridor, hidden: int = 64, layers: int = 2, seed: in
 # %% ../../nbs/rl/hpo.ipynb #3641c1c7
 def play(policy: CorridorPolicy, envs: Sequence[KeyDoorCorridor], generator: torch.Generator | None = None,
          greedy: bool = False, uid: Sequence[int] | None = None) -> RolloutBatch:
-    """Play every env to the end, batched: a `RolloutBatch` with one row per episode and one column per turn.
-
-    input_ids [R, H] = action index, resp_mask [R, H] = turn taken, step_index [R, H] = turn (or -1), old_logp
-    [R, H]; `episodes` holds (observations, action strings) per row; `feats` [R, H, F] rides along as an attribute."""
+    """Play every corridor to the end (the core's `play_feature_policy` over `horizon` turns): [R, H] rows, `feats` [R, H, F]."""
     if not envs:
         raise ValueError("envs: expected at least one environment")
-    H, R, dev = envs[0].horizon, len(envs), next(policy.parameters()).device
-    obs = [[e.reset()] for e in envs]
-    F = len(envs[0].features())
-    feats = torch.zeros(R, H, F)
-    acts = torch.zeros(R, H, dtype=torch.long)
-    mask = torch.zeros(R, H, dtype=torch.long)
-    names: list[list[str]] = [[] for _ in envs]
-    with torch.no_grad():
-        for t in range(H):
-            live = [i for i, e in enumerate(envs) if not e.done]
-            if not live:
-                break
-            x = torch.tensor([envs[i].features() for i in live])
-            lp = policy(x.to(dev)).cpu()
-            a = lp.argmax(-1) if greedy else torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
-            for k, i in enumerate(live):
-                s = envs[i].actions[int(a[k])]
-                o, _, _ = envs[i].step(s)
-                names[i].append(s); obs[i].append(o)
-            feats[live, t], acts[live, t], mask[live, t] = x, a, 1
-        old = policy(feats.to(dev)).gather(-1, acts.to(dev)[..., None]).squeeze(-1) * mask.to(dev)
-    reward = torch.tensor([float(e.pos == e.goal) for e in envs])
-    steps = torch.arange(H).expand(R, H)
-    b = RolloutBatch(input_ids=acts.to(dev), attn_mask=mask.to(dev), resp_mask=mask.to(dev), reward=reward.to(dev),
-                     uid=torch.as_tensor(list(uid) if uid is not None else range(R), dtype=torch.long, device=dev),
-                     old_logp=old, step_index=torch.where(mask.bool(), steps, -1).to(dev),
-                     episodes=[(o, n) for o, n in zip(obs, names)])
-    b.feats = feats.to(dev)
-    return b
+    return play_feature_policy(policy, envs, max_turns=envs[0].horizon, generator=generator, greedy=greedy, uid=uid)
 
 # %% ../../nbs/rl/hpo.ipynb #e6a7c493
 LOSS_CFG = dict(clip_eps=0.2, dual_clip=3.0, offpolicy_delta=1.0)  # the paper script's PPO settings

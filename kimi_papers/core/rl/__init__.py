@@ -10,9 +10,9 @@ __all__ = ['ArithmeticTask', 'CountdownTask', 'Problem', 'Task', 'eval_expressio
            'get_loss', 'group_index', 'group_mean', 'group_std', 'grpo_advantage', 'grpo_loss', 'grpo_trl_advantage',
            'kl_estimate', 'kl_penalty', 'pmd_regression_loss', 'ppo_clip_loss', 'register_advantage', 'register_loss',
            'reinforce_loss', 'rloo_advantage', 'effective_group_ratio', 'evaluate', 'flat_grad', 'grad_variance',
-           'pass_at_k', 'EnvRunner', 'Episode', 'TextEnv', 'generate_pairs', 'group_rewards', 'paired_reward',
-           'ARITH_WARMSTART', 'Trainer', 'fixture_path', 'sft_batch', 'sft_warmstart', 'tiny_policy',
-           'warm_arith_policy']
+           'pass_at_k', 'EnvRunner', 'Episode', 'FeatureEnv', 'TextEnv', 'generate_pairs', 'group_rewards',
+           'paired_reward', 'play_feature_policy', 'ARITH_WARMSTART', 'Trainer', 'fixture_path', 'sft_batch',
+           'sft_warmstart', 'tiny_policy', 'warm_arith_policy']
 
 # %% ../../../nbs/core/rl/overview.ipynb #8da73b02
 from .tasks import ArithmeticTask, CountdownTask, Problem, Task, eval_expression
@@ -25,7 +25,8 @@ from .objectives import (
     group_std, grpo_advantage, grpo_loss, grpo_trl_advantage, kl_estimate, kl_penalty, pmd_regression_loss,
     ppo_clip_loss, register_advantage, register_loss, reinforce_loss, rloo_advantage)
 from .metrics import effective_group_ratio, evaluate, flat_grad, grad_variance, pass_at_k
-from .episodes import EnvRunner, Episode, TextEnv, generate_pairs, group_rewards, paired_reward
+from .episodes import (
+    EnvRunner, Episode, FeatureEnv, TextEnv, generate_pairs, group_rewards, paired_reward, play_feature_policy)
 from .trainer import (
     ARITH_WARMSTART, Trainer, fixture_path, sft_batch, sft_warmstart, tiny_policy, warm_arith_policy)
 
@@ -37,6 +38,6 @@ _all_ = ['ArithmeticTask', 'CountdownTask', 'Problem', 'Task', 'eval_expression'
          'freeze_reference', 'get_advantage', 'get_loss', 'group_index', 'group_mean', 'group_std',
          'grpo_advantage', 'grpo_loss', 'grpo_trl_advantage', 'kl_estimate', 'kl_penalty',
          'pmd_regression_loss', 'ppo_clip_loss', 'register_advantage', 'register_loss', 'reinforce_loss',
-         'rloo_advantage', 'effective_group_ratio', 'evaluate', 'flat_grad', 'grad_variance', 'pass_at_k', 'EnvRunner', 'Episode', 'TextEnv',
-         'generate_pairs', 'group_rewards', 'paired_reward', 'ARITH_WARMSTART', 'Trainer', 'fixture_path',
+         'rloo_advantage', 'effective_group_ratio', 'evaluate', 'flat_grad', 'grad_variance', 'pass_at_k', 'EnvRunner', 'Episode', 'FeatureEnv', 'TextEnv',
+         'generate_pairs', 'group_rewards', 'paired_reward', 'play_feature_policy', 'ARITH_WARMSTART', 'Trainer', 'fixture_path',
          'sft_batch', 'sft_warmstart', 'tiny_policy', 'warm_arith_policy']

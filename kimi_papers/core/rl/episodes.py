@@ -10,11 +10,13 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from ..config import check_int
 from .rollout import Policy, RolloutBatch, _encode, _left_pad, _noise_source, generate
 from .tasks import Problem
 
 # %% auto #0
-__all__ = ['generate_pairs', 'group_rewards', 'paired_reward', 'TextEnv', 'Episode', 'EnvRunner']
+__all__ = ['generate_pairs', 'group_rewards', 'paired_reward', 'TextEnv', 'Episode', 'EnvRunner', 'FeatureEnv',
+           'play_feature_policy']
 
 # %% ../../../nbs/core/rl/episodes.ipynb #b93bef18
 def _twins(problems: list[Problem], transform: Callable[[Problem], Problem] | Sequence[Problem]) -> list[Problem]:
@@ -183,3 +185,54 @@ class EnvRunner:
                             reward=torch.tensor([ep.ret for ep in eps], dtype=torch.float32, device=dev),
                             uid=uid.to(dev), step_index=step_index.to(dev), text=["\n".join(ep.actions) for ep in eps],
                             episodes=eps)
+
+# %% ../../../nbs/core/rl/episodes.ipynb #playfeat01
+@runtime_checkable
+class FeatureEnv(TextEnv, Protocol):
+    """A `TextEnv` with a fixed action list and numeric state `features()` for a categorical policy."""
+    actions: Sequence[str]
+
+    def features(self) -> Sequence[float]: ...
+
+
+@torch.no_grad()
+def play_feature_policy(policy: torch.nn.Module, envs: Sequence[FeatureEnv], *, max_turns: int,
+                        generator: torch.Generator | None = None, greedy: bool = False,
+                        uid: Sequence[int] | torch.Tensor | None = None) -> RolloutBatch:
+    """Play envs with `policy(feats [..., F]) -> log-probs [..., A]` over `env.actions`: a [R, max_turns] `RolloutBatch`.
+
+    input_ids = action index (long), resp_mask = turn taken, step_index = turn or -1, old_logp = sampled log-prob,
+    reward = return [R]; `batch.feats` [R, max_turns, F] float32 and `batch.episodes` (`Episode` per row) ride along."""
+    envs = list(envs)
+    check_int("max_turns", max_turns)
+    if not envs or any(not isinstance(e, FeatureEnv) for e in envs):
+        raise TypeError("envs: expected a non-empty list of FeatureEnv (reset, step, actions, features)")
+    R, T, dev = len(envs), max_turns, next(policy.parameters()).device
+    eps = [Episode(observations=[e.reset()]) for e in envs]
+    F = len(envs[0].features())
+    feats, acts = torch.zeros(R, T, F), torch.zeros(R, T, dtype=torch.long)
+    mask = torch.zeros(R, T, dtype=torch.long)
+    for t in range(T):
+        live = [i for i, ep in enumerate(eps) if not ep.done]
+        if not live:
+            break
+        x = torch.tensor([envs[i].features() for i in live], dtype=torch.float32)
+        lp = policy(x.to(dev)).cpu()
+        a = lp.argmax(-1) if greedy else torch.multinomial(lp.exp(), 1, generator=generator).squeeze(-1)
+        for k, i in enumerate(live):
+            s = envs[i].actions[int(a[k])]
+            obs, r, done = envs[i].step(s)
+            eps[i].actions.append(s); eps[i].rewards.append(float(r)); eps[i].observations.append(obs)
+            eps[i].done = bool(done)
+        feats[live, t], acts[live, t], mask[live, t] = x, a, 1
+    feats, acts, mask = feats.to(dev), acts.to(dev), mask.to(dev)
+    lp_taken = policy(feats).gather(-1, acts[..., None]).squeeze(-1)
+    old = torch.where(mask.bool(), lp_taken, torch.zeros_like(lp_taken))  # not * mask: -inf * 0 is nan
+    step = torch.where(mask.bool(), torch.arange(T, device=dev).expand(R, T), -1)
+    uid = torch.as_tensor(list(uid) if uid is not None else range(R), dtype=torch.long, device=dev)
+    if tuple(uid.shape) != (R,):
+        raise ValueError(f"uid: expected shape {(R,)}, got {tuple(uid.shape)}")
+    b = RolloutBatch(input_ids=acts, attn_mask=mask, resp_mask=mask, old_logp=old, step_index=step, uid=uid,
+                     reward=torch.tensor([ep.ret for ep in eps], dtype=torch.float32, device=dev), episodes=eps)
+    b.feats = feats
+    return b
