@@ -19,173 +19,17 @@ import torch.nn.functional as F
 
 from ..core.kernels import compile_fn
 from ..core.models import load_minilm
+from .mvr_cache_semsynth import FAMILIES, WRAPPERS, SemSynth, make_semsynth  # noqa: F401 (re-exported)
 from .mvr_cache_vcache import (MIN_OBSERVATIONS, _check_texts, VCACHE_VARIANCE, Decision, Entry, StreamResult,  # noqa: F401 (re-exported)
                                                  VCachePolicy, fit_threshold, hit_at_error, normalise_answer, roc_auc,
                                                  run_stream, same_answer, vcache_tau)
 
 # %% auto #0
-__all__ = ['FAMILIES', 'WRAPPERS', 'PUNCTUATION', 'maxsim_compiled', 'pooled_maxsim_compiled', 'SemSynth', 'make_semsynth',
-           'Encoded', 'encode_tokens', 'segment_ids', 'segment_means', 'punctuation_boundaries', 'oracle_boundaries',
-           'batch_segment_ids', 'maxsim_score', 'segment_pool', 'pooled_maxsim', 'maxsim_reference', 'SegmenterPolicy',
-           'SigmoidCalibrator', 'balanced_bce', 'TokenBank', 'neighbour_table', 'sample_pairs', 'TrainResult',
-           'train_segmenter', 'Rep', 'CosineScorer', 'MVRScorer', 'learned_boundaries', 'chat_prompt', 'lm_generate']
-
-# %% ../../nbs/serving/mvr_cache.ipynb #e77bfdfb
-FAMILIES = ("relation", "units", "arithmetic", "sentiment", "letters", "dates")
-_COUNTRIES = [("Peru", "the sol"), ("Japan", "the yen"), ("Egypt", "the Egyptian pound"), ("Kenya", "the shilling"),
-              ("Norway", "the krone"), ("Brazil", "the real"), ("India", "the rupee"), ("Poland", "the zloty"),
-              ("Thailand", "the baht"), ("Mexico", "the peso")]
-_CAPITALS = {"Peru": "Lima", "Japan": "Tokyo", "Egypt": "Cairo", "Kenya": "Nairobi", "Norway": "Oslo", "Brazil": "Brasilia",
-             "India": "New Delhi", "Poland": "Warsaw", "Thailand": "Bangkok", "Mexico": "Mexico City"}
-_WEEKDAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
-_REVIEWS = [("the pasta was {w} and the waiter came quickly", "wonderful", "terrible"),
-            ("this phone has an {w} battery and a bright screen", "excellent", "awful"),
-            ("the hotel room felt {w} after a long day of travel", "delightful", "disappointing"),
-            ("our guide was {w} and the tour ran on time", "fantastic", "horrible"),
-            ("the new album sounds {w} from the first track", "brilliant", "dreadful"),
-            ("the delivery was {w} and the box arrived intact", "superb", "poor"),
-            ("this novel is {w} and the ending surprised me", "gripping", "boring"),
-            ("the coffee here tastes {w} every single morning", "great", "bad"),
-            ("my laptop repair was {w} and cheap", "flawless", "sloppy"),
-            ("the concert was {w} despite the rain", "amazing", "miserable")]
-_LETTERS = [("strawberry", "r", "b"), ("banana", "a", "n"), ("mississippi", "s", "i"), ("bookkeeper", "o", "e"),
-            ("assessment", "s", "e"), ("committee", "m", "t"), ("parallel", "l", "a"), ("successful", "s", "c"),
-            ("occurrence", "c", "r"), ("balloon", "l", "o")]
-_NUMBERS = [(17, 25), (48, 13), (36, 29), (71, 58), (84, 16), (93, 47), (65, 38), (52, 27), (120, 45), (250, 75)]
-_DISTANCES = [3, 5, 8, 12, 15, 20, 25, 40, 60, 100]
-_PARAPHRASES = {
-    ("relation", 0): ["what is the capital of {c}?", "name the capital city of {c}.", "which city is the capital of {c}?",
-                      "tell me the capital of {c}.", "{c} has which city as its capital?", "identify the capital city of {c}."],
-    ("relation", 1): ["what is the currency of {c}?", "name the currency used in {c}.", "which currency is used in {c}?",
-                      "tell me the currency of {c}.", "{c} has which money as its currency?", "identify the official currency of {c}."],
-    ("units", 0): ["convert {n} kilometers to miles.", "how many miles are {n} kilometers?", "express {n} km in miles.",
-                   "what is {n} kilometers in miles?", "change {n} kilometers into miles.", "give {n} km as miles."],
-    ("units", 1): ["convert {n} miles to kilometers.", "how many kilometers are {n} miles?", "express {n} miles in km.",
-                   "what is {n} miles in kilometers?", "change {n} miles into kilometers.", "give {n} miles as km."],
-    ("arithmetic", 0): ["what is {a} plus {b}?", "add {a} and {b}.", "compute {a} + {b}.", "calculate the sum of {a} and {b}.",
-                        "what do you get when you add {b} to {a}?", "find {a} plus {b}."],
-    ("arithmetic", 1): ["what is {a} minus {b}?", "subtract {b} from {a}.", "compute {a} - {b}.",
-                        "calculate the difference of {a} and {b}.", "what do you get when you take {b} from {a}?", "find {a} minus {b}."],
-    ("sentiment", 0): ['is this review positive or negative: "{r}"?', 'classify the sentiment of this review: "{r}".',
-                       'what is the sentiment of the review "{r}"?', 'tell me whether this review is positive or negative: "{r}".',
-                       'label the review "{r}" as positive or negative.', 'decide if this review is positive or negative: "{r}".'],
-    ("letters", 0): ["how many times does the letter {l} appear in {w}?", "count the letter {l} in the word {w}.",
-                     "in the word {w}, how many times does {l} occur?", "tell me how often {l} occurs in {w}.",
-                     "how many {l} characters does {w} contain?", "count how many times {l} shows up in {w}."],
-    ("dates", 0): ["what day of the week is {n} days after {d}?", "which weekday comes {n} days after {d}?",
-                   "if today is {d}, what day will it be in {n} days?", "name the weekday {n} days after {d}.",
-                   "tell me the day that falls {n} days after {d}.", "counting {n} days forward from {d}, which day is it?"],
-    ("dates", 1): ["what day of the week is {n} days before {d}?", "which weekday comes {n} days before {d}?",
-                   "if today is {d}, what day was it {n} days ago?", "name the weekday {n} days before {d}.",
-                   "tell me the day that falls {n} days before {d}.", "counting {n} days back from {d}, which day is it?"],
-}
-WRAPPERS = [
-    ("You are a meticulous assistant working for a busy travel agency, and you always keep your answers short.",
-     "Reply with the final answer only, in plain text; do not explain your reasoning."),
-    ("System notice: this conversation is logged for quality purposes, so please be polite, accurate and brief.",
-     "Format: a single line, no markdown, no lists, and no extra commentary."),
-    ("Hello! I am preparing a quiz for my students, and I need reliable answers quickly.",
-     "Please answer in as few words as possible; the answer will be pasted into a spreadsheet."),
-    ("As an expert tutor with many years of experience, answer the learner's question carefully.",
-     "Keep the response under ten words, and do not repeat the question."),
-    ("Context: the user is on a mobile device with a slow connection, so responses must be compact.",
-     "Output only the answer; avoid greetings, caveats, and explanations."),
-    ("You are the help-desk bot of an online bookstore, but customers sometimes ask general questions.",
-     "Answer directly; if unsure, give your best single guess without hedging."),
-    ("Instructions for the assistant: read the request below, think it over, and respond concisely.",
-     "Use plain words only, one sentence at most, and end with a period."),
-    ("Good morning! My manager asked me to double-check a few facts before our meeting today.",
-     "Just the answer, please, with no formatting and no follow-up questions."),
-]
-
-
-def _intent_pair(family: str, g: int) -> list[tuple[str, str, list[str]]]:
-    """The two intents (name, oracle answer, paraphrases) of group `g` of `family`: a hard-negative pair."""
-    if family == "relation":
-        c, cur = _COUNTRIES[g]
-        return [(f"capital of {c}", _CAPITALS[c], [p.format(c=c) for p in _PARAPHRASES[("relation", 0)]]),
-                (f"currency of {c}", cur, [p.format(c=c) for p in _PARAPHRASES[("relation", 1)]])]
-    if family == "units":
-        n = _DISTANCES[g]
-        return [(f"{n} km to miles", f"{n * 0.621371:.1f}", [p.format(n=n) for p in _PARAPHRASES[("units", 0)]]),
-                (f"{n} miles to km", f"{n * 1.609344:.1f}", [p.format(n=n) for p in _PARAPHRASES[("units", 1)]])]
-    if family == "arithmetic":
-        a, b = _NUMBERS[g]
-        return [(f"{a} + {b}", str(a + b), [p.format(a=a, b=b) for p in _PARAPHRASES[("arithmetic", 0)]]),
-                (f"{a} - {b}", str(a - b), [p.format(a=a, b=b) for p in _PARAPHRASES[("arithmetic", 1)]])]
-    if family == "sentiment":
-        base, pos, neg = _REVIEWS[g]
-        return [(f"review {g} {w}", lab, [p.format(r=base.format(w=w)) for p in _PARAPHRASES[("sentiment", 0)]])
-                for w, lab in ((pos, "positive"), (neg, "negative"))]
-    if family == "letters":
-        w, l1, l2 = _LETTERS[g]
-        return [(f"'{l}' in {w}", str(w.count(l)), [p.format(l=l, w=w) for p in _PARAPHRASES[("letters", 0)]]) for l in (l1, l2)]
-    if family == "dates":
-        d, n = _WEEKDAYS[g % 7], 2 + g
-        return [(f"{n} days after {d}", _WEEKDAYS[(g % 7 + n) % 7], [p.format(n=n, d=d) for p in _PARAPHRASES[("dates", 0)]]),
-                (f"{n} days before {d}", _WEEKDAYS[(g % 7 - n) % 7], [p.format(n=n, d=d) for p in _PARAPHRASES[("dates", 1)]])]
-    raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
-
-# %% ../../nbs/serving/mvr_cache.ipynb #7b603ef4
-@dataclass
-class SemSynth:
-    """A templated prompt set: every prompt is one intent's key clause inside a shared boilerplate wrapper."""
-    prompts: list[str]
-    intent: np.ndarray        # [N] int intent id (the correctness rule: same id = same answer)
-    group: np.ndarray         # [N] int hard-negative group (two intents: same entity, other relation / polarity)
-    family: np.ndarray        # [N] int index into FAMILIES
-    wrapper: np.ndarray       # [N] int wrapper id (-1: no wrapper)
-    paraphrase: np.ndarray    # [N] int paraphrase id
-    part_ends: list[tuple[int, ...]]  # char offset where each part (preamble / clause / instruction) ends
-    clause_part: np.ndarray   # [N] int which part holds the key clause
-    intent_names: list[str]
-    answers: list[str]        # the oracle answer of each intent
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def subset(self, idx: Sequence[int]) -> "SemSynth":
-        """The prompts at `idx` (intents, names and answers keep their global ids)."""
-        idx = np.asarray(idx, dtype=int)
-        pick = lambda a: a[idx]
-        return SemSynth([self.prompts[i] for i in idx], pick(self.intent), pick(self.group), pick(self.family),
-                        pick(self.wrapper), pick(self.paraphrase), [self.part_ends[i] for i in idx], pick(self.clause_part),
-                        self.intent_names, self.answers)
-
-
-def _capitalise(s: str) -> str:
-    return s[:1].upper() + s[1:]
-
-
-def make_semsynth(n_intents: int = 60, n_wrappers: int = 8, seed: int = 0, n_paraphrases: int = 5,
-                  wrapper_free: bool = False) -> SemSynth:
-    """Every (intent, paraphrase, wrapper) prompt, parts in a seeded random order; `wrapper_free` keeps the clause only."""
-    for name, val, lo, hi in (("n_intents", n_intents, 2, 120), ("n_wrappers", n_wrappers, 1, len(WRAPPERS)),
-                              ("n_paraphrases", n_paraphrases, 1, 6)):
-        if isinstance(val, bool) or not isinstance(val, numbers.Integral) or not lo <= val <= hi:
-            raise ValueError(f"{name}={val!r}: expected an int in [{lo}, {hi}]")
-    if n_intents % 2:
-        raise ValueError(f"n_intents={n_intents}: expected an even number (intents come in hard-negative pairs)")
-    rng = np.random.default_rng(seed)
-    rows, names, answers = [], [], []
-    for g in range(n_intents // 2):
-        fam = g % len(FAMILIES)
-        for name, ans, pars in _intent_pair(FAMILIES[fam], g // len(FAMILIES)):
-            iid = len(names)
-            names.append(name)
-            answers.append(ans)
-            for p in range(n_paraphrases):
-                clause = _capitalise(pars[p])
-                for w in ([-1] if wrapper_free else range(n_wrappers)):
-                    parts = [clause] if w < 0 else [WRAPPERS[w][0], clause, WRAPPERS[w][1]]
-                    order = rng.permutation(len(parts))
-                    ends, text = [], ""
-                    for j in order:
-                        text = (text + " " if text else "") + parts[j]
-                        ends.append(len(text))
-                    rows.append((text, iid, g, fam, w, p, tuple(ends), int(np.flatnonzero(order == (0 if w < 0 else 1))[0])))
-    cols = list(zip(*rows))
-    return SemSynth(list(cols[0]), *(np.asarray(c) for c in cols[1:6]), list(cols[6]), np.asarray(cols[7]), names, answers)
+__all__ = ['PUNCTUATION', 'maxsim_compiled', 'pooled_maxsim_compiled', 'Encoded', 'encode_tokens', 'segment_ids', 'segment_means',
+           'punctuation_boundaries', 'oracle_boundaries', 'batch_segment_ids', 'maxsim_score', 'segment_pool',
+           'pooled_maxsim', 'maxsim_reference', 'SegmenterPolicy', 'SigmoidCalibrator', 'balanced_bce', 'TokenBank',
+           'neighbour_table', 'sample_pairs', 'TrainResult', 'train_segmenter', 'Rep', 'CosineScorer', 'MVRScorer',
+           'learned_boundaries', 'chat_prompt', 'lm_generate']
 
 # %% ../../nbs/serving/mvr_cache.ipynb #1bf89d22
 PUNCTUATION = frozenset(",.!?:;")
