@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -273,18 +273,50 @@ def _out_cache(out: Any) -> Any:
 
 class KVDecoder:
     """Incremental decoding of a left-padded prompt batch with a KV cache: `logits()` [rows, V] float32 of the next
-    token, `step(tok)` feeds one token [rows] per row (rows that are done keep receiving pad tokens)."""
+    token, `step(tok)` feeds one token [rows] per row (rows that are done keep receiving pad tokens).
 
-    def __init__(self, policy: Policy, prompts: Sequence[Sequence[int]]):
+    `repeat=n` prefills each prompt once and gives it n consecutive rows (rows = len(prompts) * n), as for a group of
+    samples; `taps` are submodules whose output at the last position is kept after every forward in `tapped`
+    (one [rows, ...] tensor per tap), e.g. a layer norm whose output a test-time predictor reads."""
+
+    def __init__(self, policy: Policy, prompts: Sequence[Sequence[int]], *, repeat: int = 1,
+                 taps: Sequence[nn.Module] = ()):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: expected a non-empty list of non-empty token-id lists")
-        self.policy, dev = policy, policy.device
+        if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+            raise ValueError(f"repeat={repeat!r}: expected an int >= 1")
+        if any(not isinstance(m, nn.Module) for m in taps):
+            raise TypeError("taps: expected a sequence of nn.Module (submodules of the policy's model)")
+        self.policy, dev, self.taps, self.tapped = policy, policy.device, tuple(taps), []
         self.W, self.b = policy.head()
         ids, attn = (t.to(dev) for t in _left_pad(prompts, policy.pad_id))
-        self.prompt_ids, self.attn, self.rows = ids, attn, ids.shape[0]
         self.base, self._ckw = policy.model.base_model, _cache_kw(policy.model.base_model)
-        out = self.base(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=True)
+        out = self._forward(input_ids=ids, attention_mask=attn, position_ids=position_ids(attn), use_cache=True)
         self.cache, self.h, self.pos = _out_cache(out), out.last_hidden_state[:, -1], position_ids(attn)[:, -1]
+        if repeat > 1:
+            self.cache.batch_repeat_interleave(repeat)
+            ids, attn, self.h, self.pos = (x.repeat_interleave(repeat, 0) for x in (ids, attn, self.h, self.pos))
+            self.tapped = [x.repeat_interleave(repeat, 0) for x in self.tapped]
+        self.prompt_ids, self.attn, self.rows = ids, attn, ids.shape[0]
+
+    def _forward(self, **kw: Any) -> Any:
+        """One forward of the base model, keeping each tap's last-position output in `tapped`."""
+        got: list[torch.Tensor | None] = [None] * len(self.taps)
+
+        def keep(i: int) -> Callable:
+            def hook(_m, _inp, out):
+                got[i] = (out[0] if isinstance(out, tuple) else out)[:, -1].detach()
+            return hook
+        handles = [m.register_forward_hook(keep(i)) for i, m in enumerate(self.taps)]
+        try:
+            out = self.base(**kw)
+        finally:
+            for h in handles:
+                h.remove()
+        if any(g is None for g in got):
+            raise ValueError("taps: a tap module did not run in the forward pass (is it a submodule of the model?)")
+        self.tapped = got
+        return out
 
     def logits(self) -> torch.Tensor:
         """Next-token logits [rows, V] float32 from the last hidden state."""
@@ -296,8 +328,8 @@ class KVDecoder:
             raise ValueError(f"tok: expected shape ({self.rows},), got {tuple(tok.shape)}")
         self.attn = torch.cat([self.attn, torch.ones((self.rows, 1), dtype=self.attn.dtype, device=self.attn.device)], 1)
         self.pos = self.pos + 1
-        out = self.base(input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.pos[:, None], use_cache=True,
-                        **{self._ckw: self.cache})
+        out = self._forward(input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.pos[:, None],
+                            use_cache=True, **{self._ckw: self.cache})
         self.cache, self.h = _out_cache(out), out.last_hidden_state[:, -1]
 
 
