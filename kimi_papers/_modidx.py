@@ -833,6 +833,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                             'kimi_papers/core/rl/rollout.py'),
                                              'kimi_papers.core.rl.rollout.Policy.encode_prompt': ( 'core/rl/rollout.html#policy.encode_prompt',
                                                                                                    'kimi_papers/core/rl/rollout.py'),
+                                             'kimi_papers.core.rl.rollout.Policy.encode_text': ( 'core/rl/rollout.html#policy.encode_text',
+                                                                                                 'kimi_papers/core/rl/rollout.py'),
                                              'kimi_papers.core.rl.rollout.Policy.eos_id': ( 'core/rl/rollout.html#policy.eos_id',
                                                                                             'kimi_papers/core/rl/rollout.py'),
                                              'kimi_papers.core.rl.rollout.Policy.head': ( 'core/rl/rollout.html#policy.head',

@@ -8,7 +8,7 @@ import torch
 
 from kimi_papers.core.kernels import compiled_ran
 from kimi_papers.core.rl import scripted_policy
-from kimi_papers.core.token_stats import _sample_compiled, gumbel_noise, sample_next
+from kimi_papers.core.token_stats import sample_next_compiled, gumbel_noise, sample_next
 from kimi_papers.rl import d2evo as D
 
 
@@ -133,7 +133,7 @@ def test_sampler_compiled_matches_eager_and_softmax():
     noise = gumbel_noise((256, V), gk)
     for tp in (1.0, 0.7):
         assert torch.equal(sample_next(logits, 0.8, tp, noise), sample_next(logits, 0.8, tp, noise, compiled=False))
-        assert compiled_ran(_sample_compiled)
+        assert compiled_ran(sample_next_compiled)
     n = 100_000
     draws = sample_next(logits[:1].expand(n, V).contiguous(), 1.0, 1.0, gumbel_noise((n, V), gk))
     freq = np.bincount(draws.numpy(), minlength=V) / n

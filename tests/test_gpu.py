@@ -92,7 +92,7 @@ def test_chunk_none_memory_on_cuda():
 
 def test_sampling_on_cuda_is_the_eager_result_and_device_independent():
     from kimi_papers.core.kernels import compiled_ran
-    from kimi_papers.core.token_stats import _sample_compiled, gumbel_noise, sample_next
+    from kimi_papers.core.token_stats import sample_next_compiled, gumbel_noise, sample_next
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(64, 1021, generator=g) * 3).to(CUDA)
     noise = gumbel_noise((64, 1021), generator=torch.Generator().manual_seed(4), device=CUDA)
@@ -100,7 +100,7 @@ def test_sampling_on_cuda_is_the_eager_result_and_device_independent():
     assert torch.equal(noise.cpu(), gumbel_noise((64, 1021), generator=torch.Generator().manual_seed(4)))
     temps = torch.linspace(0.3, 1.7, 64, device=CUDA)
     tok = sample_next(logits, temps, 0.9, noise)
-    assert compiled_ran(_sample_compiled) and tok.device.type == "cuda"
+    assert compiled_ran(sample_next_compiled) and tok.device.type == "cuda"
     assert torch.equal(tok, sample_next(logits, temps, 0.9, noise, compiled=False))
     assert torch.equal(tok.cpu(), sample_next(logits.cpu(), temps.cpu(), 0.9, noise.cpu(), compiled=False))
 

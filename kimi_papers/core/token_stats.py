@@ -16,8 +16,8 @@ from torch.autograd.function import once_differentiable
 from .kernels import compile_fn, compiled_ran
 
 # %% auto #0
-__all__ = ['STATS', 'TokenStats', 'token_stats', 'token_stats_from_logits', 'token_stats_reference', 'logp_entropy_eager',
-           'gumbel_noise', 'sample_next']
+__all__ = ['STATS', 'sample_next_compiled', 'TokenStats', 'token_stats', 'token_stats_from_logits', 'token_stats_reference',
+           'logp_entropy_eager', 'gumbel_noise', 'sample_next']
 
 # %% ../../nbs/core/token_stats.ipynb #ac55fe54
 STATS = ("logp", "entropy", "sum_pi2")
@@ -329,7 +329,7 @@ def _sample_core(logits: Tensor, inv_temp: Tensor, top_p: Tensor, noise: Tensor)
     return (z.masked_fill(drop, float("-inf")) + noise).argmax(dim=-1)
 
 
-_sample_compiled = compile_fn(_sample_core, dynamic=True)
+sample_next_compiled = compile_fn(_sample_core, dynamic=True)
 
 
 def _per_row(name: str, val: float | Tensor, rows: int, device: torch.device, lo_open: float, hi: float | None) -> Tensor:
@@ -359,5 +359,5 @@ def sample_next(logits: Tensor, temperature: float | Tensor, top_p: float | Tens
     rows = logits.numel() // V
     inv_t = 1.0 / _per_row("temperature", temperature, rows, logits.device, 0.0, None)
     tp = _per_row("top_p", top_p, rows, logits.device, 0.0, 1.0)
-    fn = _sample_compiled if compiled else _sample_core
+    fn = sample_next_compiled if compiled else _sample_core
     return fn(logits.reshape(rows, V), inv_t, tp, noise.reshape(rows, V).float()).reshape(logits.shape[:-1])

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..core.config import check_int
-from ..core.rl.rollout import Policy, _encode, as_policy, generate
+from ..core.rl.rollout import Policy, as_policy, generate
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def thought_prompt(policy: Policy, question: str, prefix: Sequence[str], avoid: 
     user = question if avoid is None else f"{question}\nA previous attempt at step {len(prefix) + 1} was wrong: " \
                                           f"\"{avoid}\". Do not repeat it."
     ids = _role(policy, THOUGHT_SYSTEM).encode_prompt(user)
-    return ids + _encode(policy.tokenizer, _steps(prefix) + f"Step {len(prefix) + 1}:")
+    return ids + policy.encode_text(_steps(prefix) + f"Step {len(prefix) + 1}:")
 
 
 def _sample_kw(temperature: float, generator: torch.Generator | None) -> dict:
@@ -306,7 +306,7 @@ def localize_prompt(policy: Policy, question: str, thoughts: Sequence[str]) -> l
     _check_question(question)
     user = (f"{question}\nSolution:\n{_steps(thoughts)}The final answer is wrong. Which step is the first incorrect "
             "one? Reply with the step number only.")
-    return _role(policy, LOCALIZE_SYSTEM).encode_prompt(user) + _encode(policy.tokenizer, "The first incorrect step is Step")
+    return _role(policy, LOCALIZE_SYSTEM).encode_prompt(user) + policy.encode_text("The first incorrect step is Step")
 
 
 def localize_batch(policy: Policy, questions: Sequence[str], traces: Sequence[Sequence[str]], *,
@@ -327,7 +327,7 @@ def verify_batch(policy: Policy, questions: Sequence[str], solutions: Sequence[s
                  tokens: TokenLedger | None = None, rows: Sequence[int] | None = None) -> list[bool]:
     """The autonomous verifier: the model's greedy yes/no on "Is this solution correct?" (True = accepted)."""
     prompts = [_role(policy, VERIFY_SYSTEM).encode_prompt(f"{q}\nSolution:\n{s}\nIs this solution correct? "
-                                                          "Answer yes or no.") + _encode(policy.tokenizer, "Answer:")
+                                                          "Answer yes or no.") + policy.encode_text("Answer:")
                for q, s in zip(questions, solutions)]
     _, _, resp, texts = generate(policy, prompts, max_new_tokens=2, greedy=True)
     if tokens is not None:

@@ -110,6 +110,10 @@ class Policy:
         ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, Mapping) else ids)
 
+    def encode_text(self, text: str) -> list[int]:
+        """Token ids of raw `text` (no template, no special tokens), e.g. a continuation appended to a prompt."""
+        return _encode(self.tokenizer, text)
+
     def decode(self, ids: Sequence[int]) -> str:
         """Text of token ids, special tokens dropped."""
         return _decode(self.tokenizer, ids)
