@@ -1,0 +1,1 @@
+"""Science papers: causal inference, privacy, search heuristics."""
