@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 # %% auto #0
-__all__ = ['KVGeometry', 'kv_geometry', 'kv_bytes_per_token', 'cache_layers', 'make_cache', 'kv_bytes', 'select_tokens',
-           'rope_cos_sin', 'rotate_half', 'rope_apply', 'rope_undo', 'tiny_llama']
+__all__ = ['KVGeometry', 'kv_geometry', 'kv_bytes_per_token', 'cache_kwarg', 'output_cache', 'cache_layers', 'make_cache',
+           'kv_bytes', 'select_tokens', 'rope_cos_sin', 'rotate_half', 'rope_apply', 'rope_undo', 'tiny_llama']
 
 # %% ../../nbs/core/kv.ipynb #b81b0d71
 @dataclass(frozen=True)
@@ -54,6 +54,18 @@ def kv_bytes_per_token(model: Any, dtype: torch.dtype = torch.float16) -> int:
     return geo.elements_per_token * torch.empty((), dtype=dtype).element_size()
 
 # %% ../../nbs/core/kv.ipynb #ed4c581b
+def cache_kwarg(model: Any) -> str:
+    """The keyword under which this transformers version's forward takes a KV cache (`cache` from 5.2x, `past_key_values` before)."""
+    import inspect
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    """The KV cache a forward pass returned (`out.cache`, or `out.past_key_values` before transformers 5.2x)."""
+    c = getattr(out, "cache", None)
+    return c if c is not None else out.past_key_values
+
+
 def cache_layers(cache: Any) -> list[tuple[Tensor, Tensor]]:
     """Per-layer (K, V), each [B, kv_heads, T, head_dim], of a `DynamicCache` or a legacy tuple of (K, V) pairs (views, not copies)."""
     layers = getattr(cache, "layers", None)

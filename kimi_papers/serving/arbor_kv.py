@@ -5,7 +5,6 @@
 # %% ../../nbs/serving/arbor_kv.ipynb #55c6374f
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from torch import Tensor
 
 from ..core.config import check_int
 from ..core.kernels import compile_fn
-from ..core.kv import cache_layers, kv_bytes_per_token, kv_geometry, make_cache
+from ..core.kv import cache_kwarg, cache_layers, kv_bytes_per_token, kv_geometry, make_cache, output_cache
 from ..core.rl.rollout import KVDecoder, as_policy
 from ..core.token_stats import gumbel_noise, sample_next
 
@@ -164,11 +163,6 @@ def build_path_cache(tree: ThoughtTree, store: BlockKVStore, leaf: int) -> tuple
     return make_cache([(K[l][None], V[l][None]) for l in range(K.shape[0])]), pos.to(K.device), gidx
 
 # %% ../../nbs/serving/arbor_kv.ipynb #7e3ff1e6
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """The name under which this transformers version takes a KV cache."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def children_mask(lengths: Sequence[int], n_cache: int, device: torch.device | str = "cpu") -> Tensor:
     """Additive 4-D mask [1, 1, Q, n_cache + Q] float32 for children concatenated in one row: every query sees the
     whole (retained) cache and, causally, its own child's earlier tokens, never a sibling's."""
@@ -208,8 +202,8 @@ def forward_children(model: torch.nn.Module, tree: ThoughtTree, store: BlockKVSt
     pos = torch.cat([torch.arange(start, start + n, device=dev) for n in lens])[None]
     mask = children_mask(lens, n_cache, dev).to(next(model.parameters()).dtype)
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, output_attentions=attentions,
-                **{_cache_kwarg(model): cache})
-    layers = cache_layers(out.past_key_values if getattr(out, "past_key_values", None) is not None else cache)
+                **{cache_kwarg(model): cache})
+    layers = cache_layers(output_cache(out))
     K = torch.stack([k[0, :, n_cache:] for k, _ in layers])
     V = torch.stack([v[0, :, n_cache:] for _, v in layers])
     cuts = list(itertools.accumulate(lens, initial=0))

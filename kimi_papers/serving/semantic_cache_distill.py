@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.config import check_int
-from ..core.kv import cache_layers, kv_geometry, make_cache, rope_apply, rope_cos_sin, rope_undo
+from ..core.kv import cache_kwarg, cache_layers, kv_geometry, make_cache, output_cache, rope_apply, rope_cos_sin, rope_undo
 
 # %% auto #0
 __all__ = ['LORA_TARGETS', 'FIRST_NAMES', 'LAST_NAMES', 'ATTRIBUTES', 'SCD_DEFAULTS', 'F1_ARMS', 'LoRALinear', 'add_lora',
@@ -287,17 +287,6 @@ def check_pair(model_a: nn.Module, model_b: nn.Module) -> None:
                          f"{(ga.layers, ga.kv_heads, ga.head_dim, ha)} vs {(gb.layers, gb.kv_heads, gb.head_dim, hb)}")
 
 
-def _cache_kw(model: nn.Module) -> str:
-    """The KV-cache keyword of this transformers version ('cache' from 5.2x, 'past_key_values' before)."""
-    import inspect
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _out_cache(out: Any) -> Any:
-    c = getattr(out, "cache", None)
-    return c if c is not None else out.past_key_values
-
-
 def _check_ids(ids: Tensor, name: str = "ids") -> Tensor:
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype != torch.long:
         raise ValueError(f"{name}: expected an int64 tensor [B, T], got {getattr(ids, 'shape', type(ids))}")
@@ -340,7 +329,7 @@ def capture(model: nn.Module, ids: Tensor, position_ids: Tensor | None = None) -
     finally:
         for h in hooks:
             h.remove()
-    kv = cache_layers(_out_cache(out))
+    kv = cache_layers(output_cache(out))
     return Taps([k for k, _ in kv], [v for _, v in kv], h_in, list(out.hidden_states[:len(layers)]), pos)
 
 
@@ -705,7 +694,7 @@ def consumer_logits(model_b: nn.Module, layers: Sequence, tail: Tensor, start: i
     """B's logits [B, n, V] on `tail` [B, n] at positions start.. given a prefix cache of per-layer (K, V)."""
     cache = make_cache([(k.to(next(model_b.parameters()).dtype), v.to(next(model_b.parameters()).dtype)) for k, v in layers])
     pos = absolute_positions(tail, start)
-    return model_b(input_ids=tail, position_ids=pos, use_cache=True, **{_cache_kw(model_b): cache}).logits.float()
+    return model_b(input_ids=tail, position_ids=pos, use_cache=True, **{cache_kwarg(model_b): cache}).logits.float()
 
 
 def kl_per_token(logits_p: Tensor, logits_q: Tensor) -> Tensor:
@@ -728,7 +717,7 @@ def greedy_answer(model_b: nn.Module, layers: Sequence, first: Tensor, start: in
     tok, out = first, []
     for i in range(max_new):
         logits = model_b(input_ids=tok, position_ids=absolute_positions(tok, start + i), use_cache=True,
-                         **{_cache_kw(model_b): cache}).logits[0, -1]
+                         **{cache_kwarg(model_b): cache}).logits[0, -1]
         nxt = int(logits.argmax())
         if nxt in stop_ids:
             break

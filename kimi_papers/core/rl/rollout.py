@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..kv import cache_kwarg, output_cache
 from ..token_stats import gumbel_noise, sample_next, token_stats, token_stats_from_logits
 
 # %% auto #0
@@ -264,15 +265,7 @@ def _noise_source(generator: torch.Generator | None, seed: int | None, greedy: b
     return torch.Generator().manual_seed(seed)
 
 
-def _cache_kw(base: nn.Module) -> str:
-    """The KV-cache keyword of this transformers version (`cache` from 5.2x, `past_key_values` before)."""
-    import inspect
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
-def _out_cache(out: Any) -> Any:
-    c = getattr(out, "cache", None)
-    return c if c is not None else out.past_key_values
+_cache_kw, _out_cache = cache_kwarg, output_cache      # the keyword and the returned cache, from core.kv
 
 
 class KVDecoder:
