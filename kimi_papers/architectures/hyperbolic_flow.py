@@ -450,7 +450,8 @@ def integrate(net: nn.Module, geo: Any, x0: Tensor, anchors: Tensor, cfg: FlowCo
         step = geo.step(x, net(x, t, **_k(geo)), cfg.dt)
         x = torch.where(frozen[:, None], x, step)
         used += (~frozen).long()
-        free = geo.step(free, net(free, t, **_k(geo)), cfg.dt)
+        # until a sample freezes the free path is the solved one: reuse its step instead of a second net call
+        free = step if not frozen.any() else geo.step(free, net(free, t, **_k(geo)), cfg.dt)
         path.append(free.clone())
     never = int((used == cfg.max_steps).sum()) if cfg.stopping == "diameter" else 0
     return FlowPrediction(_classify(geo, x, anchors, classify), used, torch.stack(path), never)
