@@ -8,14 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kimi_papers.core.models import CharTokenizer, tiny_causal_lm
+from kimi_papers.core.io import cached_json
+from kimi_papers.core.models import CharTokenizer, quantize_int8, tiny_causal_lm
 from kimi_papers.core.rl.rollout import Policy
 from kimi_papers.decoding.jisi import (
     FAMILIES, LEVELS, CharSpecialist, JiSiConfig, Member, Question, QuestionBank, ResponseTable, agg_acc_fn, answer_loss,
-    arith_view, cached_json, confounded_families, best_expert_table, decide_arms, finish_answer, is_correct,
+    arith_view, confounded_families, best_expert_table, decide_arms, finish_answer, is_correct,
     jisi_decide, length_score, make_pool, make_question, mixed_profile_scores, mixed_profile_scores_compiled,
     mixed_profile_scores_loop, mixed_route, neighbour_mask, parse_answer, pending_aggregations, profile_scores,
-    profile_scores_loop, quantize_int8, query_route, score_arms, select_aggregator, specialist_fixture, split_pool,
+    profile_scores_loop, query_route, score_arms, select_aggregator, specialist_fixture, split_pool,
     subset_size, switch, weighted_profile, word_view)
 
 

@@ -9,10 +9,11 @@ import torch
 import torch.nn as nn
 
 from kimi_papers.core.kv import cache_layers, kv_geometry, rope_apply, rope_cos_sin, rope_undo, tiny_llama
+from kimi_papers.core.nn import LoRALinear, add_lora, apply_lora_factors, lora_factors, merge_lora
 from kimi_papers.serving.semantic_cache_distill import (
-    SCD, LoRALinear, Payload, ReuseCodec, add_lora, answer_f1, apply_lora_factors, byte_codec, capture,
+    SCD, Payload, ReuseCodec, answer_f1, byte_codec, capture,
     collect_calibration, consumer_logits, droidspeak_style, efficiency_k, encode_reuse, fake_quant, fit_lowrank,
-    fit_patch, fit_reuse, greedy_select, kl_per_token, kv_from_hidden, lora_factors, merge_lora, method_bytes,
+    fit_patch, fit_reuse, greedy_select, kl_per_token, kv_from_hidden, method_bytes,
     Pair, qa_prompts, quantize_kv_4bit, raw_kv_transfer, reconstruct_reuse, run_seed, smollm2_pair, ttft_model)
 
 torch.set_num_threads(1)

@@ -28,7 +28,7 @@ from .io import atomic_write, atomic_write_text
 # %% auto #0
 __all__ = ['INSTALL_COMMANDS', 'MANIFEST', 'SMOLLM2_GGUF', 'SMOLLM2_CACHE', 'enforce_offline', 'MissingModelPackage',
            'require_package', 'cache_is_valid', 'ensure_cache', 'smollm2_gguf_path', 'smollm2_source', 'load_smollm2',
-           'load_minilm', 'embed', 'tiny_causal_lm', 'CharTokenizer', 'param_count', 'describe']
+           'load_minilm', 'embed', 'tiny_causal_lm', 'CharTokenizer', 'param_count', 'describe', 'quantize_int8']
 
 # %% ../../nbs/core/models.ipynb #edf22dad
 _OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
@@ -453,3 +453,18 @@ def describe(model: torch.nn.Module) -> dict[str, Any]:
             "dtype": str(first.dtype).replace("torch.", "") if first is not None else None,
             "device": str(first.device) if first is not None else None,
             "arch": getattr(cfg, "model_type", None)}
+
+# %% ../../nbs/core/models.ipynb #9e0525a9
+def quantize_int8(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a Hugging Face causal LM with int8 dynamic-quantised Linears in its body (`model.model`); CPU only."""
+    import copy
+    import warnings
+    if not hasattr(model, "model"):
+        raise ValueError("model: expected a Hugging Face causal LM with a `.model` body (e.g. from tiny_causal_lm or load_smollm2)")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("model: quantize_dynamic runs on the CPU only; pass a CPU model")
+    q = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao's deprecation notice
+        q.model = torch.ao.quantization.quantize_dynamic(q.model, {torch.nn.Linear}, dtype=torch.qint8)
+    return q.eval()

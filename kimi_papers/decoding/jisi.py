@@ -5,7 +5,6 @@
 # %% ../../nbs/decoding/jisi.ipynb #7f4c4ca4
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -20,7 +19,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.config import check_int
-from ..core.io import atomic_write_text
 from ..core.kernels import compile_fn
 from ..core.models import CharTokenizer, tiny_causal_lm
 from ..core.rl.rollout import Policy, generate
@@ -32,15 +30,14 @@ if TYPE_CHECKING:
 # %% auto #0
 __all__ = ['FAMILIES', 'LEVELS', 'SYSTEM_DIRECT', 'SYSTEM_COT', 'DIRECT_PREFIX', 'SYSTEM_AGG', 'ALPHABET', 'SEP', 'VIEWS',
            'SPECIALIST_TASKS', 'profile_scores_compiled', 'mixed_profile_scores_compiled', 'SIM_NAMES', 'SIM_FAMILIES',
-           'Question', 'make_question', 'make_pool', 'parse_answer', 'is_correct', 'Member', 'quantize_int8',
-           'Generation', 'run_member', 'aggregation_text', 'arith_view', 'word_view', 'CharSpecialist',
-           'specialist_batches', 'answer_loss', 'train_specialist', 'specialist_fixture', 'QuestionBank',
-           'neighbour_mask', 'weighted_profile', 'query_route', 'length_score', 'subset_size', 'mixed_route',
-           'select_aggregator', 'switch', 'profile_scores', 'mixed_profile_scores', 'profile_scores_loop',
-           'mixed_profile_scores_loop', 'ResponseTable', 'JiSiConfig', 'JiSiResult', 'jisi_decide', 'jisi_answer',
-           'finish_answer', 'split_pool', 'agg_acc_fn', 'decide_arms', 'pending_aggregations', 'score_arms',
-           'cached_json', 'best_expert_table', 'confounded_families', 'sim_accuracy', 'sim_best', 'simulate_table',
-           'majority_aggregate']
+           'Question', 'make_question', 'make_pool', 'parse_answer', 'is_correct', 'Member', 'Generation', 'run_member',
+           'aggregation_text', 'arith_view', 'word_view', 'CharSpecialist', 'specialist_batches', 'answer_loss',
+           'train_specialist', 'specialist_fixture', 'QuestionBank', 'neighbour_mask', 'weighted_profile',
+           'query_route', 'length_score', 'subset_size', 'mixed_route', 'select_aggregator', 'switch', 'profile_scores',
+           'mixed_profile_scores', 'profile_scores_loop', 'mixed_profile_scores_loop', 'ResponseTable', 'JiSiConfig',
+           'JiSiResult', 'jisi_decide', 'jisi_answer', 'finish_answer', 'split_pool', 'agg_acc_fn', 'decide_arms',
+           'pending_aggregations', 'score_arms', 'best_expert_table', 'confounded_families', 'sim_accuracy', 'sim_best',
+           'simulate_table', 'majority_aggregate']
 
 # %% ../../nbs/decoding/jisi.ipynb #569a6f81
 FAMILIES = ("arith", "sort", "reverse", "compare", "word")
@@ -153,19 +150,6 @@ class Member:
         pol = replace(self.policy, chat=True, system=system or (SYSTEM_DIRECT if self.style == "direct" else SYSTEM_COT))
         ids = pol.encode_prompt(text)
         return ids + pol.encode_text(DIRECT_PREFIX) if self.style == "direct" else ids
-
-
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """A copy of a causal LM with int8 dynamic-quantised Linear layers in its body (the tied LM head stays fp32); CPU only."""
-    import copy
-    import warnings
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("model: quantize_dynamic runs on the CPU only; pass a CPU model")
-    q = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch.ao's deprecation notice
-        q.model = torch.ao.quantization.quantize_dynamic(q.model, {nn.Linear}, dtype=torch.qint8)
-    return q.eval()
 
 
 @dataclass
@@ -739,23 +723,6 @@ def score_arms(decisions: Mapping[str, Sequence[JiSiResult]], table: ResponseTab
     return rows
 
 # %% ../../nbs/decoding/jisi.ipynb #da3dc693
-def cached_json(path: Path | str, meta: Mapping[str, Any], compute: Callable[[], Any]) -> Any:
-    """The JSON value stored at `path` when its `meta` matches, else `compute()` written there atomically (never half-written)."""
-    path = Path(path)
-    want = json.loads(json.dumps(dict(meta)))
-    if path.is_file():
-        try:
-            blob = json.loads(path.read_text())
-            if blob.get("meta") == want:
-                return blob["value"]
-        except (OSError, ValueError):
-            pass
-    value = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"meta": want, "value": value}))
-    return value
-
-
 def best_expert_table(table: ResponseTable) -> "pd.DataFrame":
     """Accuracy of every member per (family, level) over the whole pool, with the best member of each stratum."""
     import pandas as pd

@@ -5,8 +5,6 @@
 # %% ../../nbs/serving/semantic_cache_distill.ipynb #18c1cd6e
 from __future__ import annotations
 
-import math
-import re
 import string
 import time
 from dataclasses import dataclass, field
@@ -19,111 +17,19 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..core.config import check_int
+from ..core.nn import LORA_TARGETS, add_lora, apply_lora_factors, lora_factors, merge_lora
 from ..core.kv import cache_kwarg, cache_layers, kv_geometry, make_cache, output_cache, rope_apply, rope_cos_sin, rope_undo
 
 # %% auto #0
-__all__ = ['LORA_TARGETS', 'FIRST_NAMES', 'LAST_NAMES', 'ATTRIBUTES', 'SCD_DEFAULTS', 'F1_ARMS', 'LoRALinear', 'add_lora',
-           'merge_lora', 'lora_factors', 'apply_lora_factors', 'qa_document', 'qa_text', 'QAPrompt', 'qa_prompts',
-           'qa_stream', 'packed_batches', 'normalize_answer', 'answer_f1', 'TextCodec', 'byte_codec', 'hf_codec',
-           'hf_lm_loss', 'lora_finetune', 'check_pair', 'absolute_positions', 'Taps', 'capture', 'Calib',
+__all__ = ['FIRST_NAMES', 'LAST_NAMES', 'ATTRIBUTES', 'SCD_DEFAULTS', 'F1_ARMS', 'qa_document', 'qa_text', 'QAPrompt',
+           'qa_prompts', 'qa_stream', 'packed_batches', 'normalize_answer', 'answer_f1', 'TextCodec', 'byte_codec',
+           'hf_codec', 'hf_lm_loss', 'lora_finetune', 'check_pair', 'absolute_positions', 'Taps', 'capture', 'Calib',
            'collect_calibration', 'fit_lowrank', 'ReuseCodec', 'fit_reuse', 'PatchMLP', 'PatchCodec', 'fit_patch',
            'reconstruct_reuse', 'encode_reuse', 'kv_from_hidden', 'Payload', 'SCD', 'fp16_roundtrip', 'raw_kv_transfer',
            'fake_quant', 'quantize_kv_4bit', 'causal_mask', 'droidspeak_style', 'method_bytes', 'ttft_model',
            'consumer_logits', 'kl_per_token', 'token_nll', 'greedy_answer', 'relative_error', 'greedy_select',
            'efficiency_k', 'Pair', 'tiny_pair', 'smollm2_pair', 'fit_codecs', 'profile_layers', 'timed',
            'evaluate_prompt', 'run_seed']
-
-# %% ../../nbs/serving/semantic_cache_distill.ipynb #7310135a
-# ---- general piece the core lacks (for the lead to move into core): LoRA on any nn.Linear, merge, factor I/O ----
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class LoRALinear(nn.Module):
-    """y = base(x) + (alpha / r) * x A^T B^T with the base frozen; A [r, in] random, B [out, r] zero at start."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator | None = None):
-        super().__init__()
-        check_int("rank", rank)
-        if rank > min(base.in_features, base.out_features):
-            raise ValueError(f"rank={rank}: expected at most min(in, out) = {min(base.in_features, base.out_features)}")
-        self.base, self.rank, self.scale = base, rank, alpha / rank
-        dev = base.weight.device
-        a = torch.randn(rank, base.in_features, generator=generator) / math.sqrt(base.in_features)
-        self.A = nn.Parameter(a.to(dev))
-        self.B = nn.Parameter(torch.zeros(base.out_features, rank, device=dev))
-        base.weight.requires_grad_(False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.base(x) + (x @ self.A.T @ self.B.T) * self.scale
-
-    def merged(self) -> nn.Linear:
-        """A plain nn.Linear with W + scale * B A (same device and dtype)."""
-        out = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
-                        device=self.base.weight.device, dtype=self.base.weight.dtype)
-        with torch.no_grad():
-            out.weight.copy_(self.base.weight + self.scale * (self.B @ self.A).to(self.base.weight.dtype))
-            if self.base.bias is not None:
-                out.bias.copy_(self.base.bias)
-        return out
-
-
-def _lora_sites(model: nn.Module, targets: Sequence[str]) -> list[tuple[str, nn.Module, str]]:
-    """(qualified name, parent, attribute) of every nn.Linear / LoRALinear whose attribute name is in `targets`."""
-    sites = []
-    for pname, parent in model.named_modules():
-        for attr, child in parent.named_children():
-            if attr in targets and isinstance(child, (nn.Linear, LoRALinear)):
-                sites.append((f"{pname}.{attr}" if pname else attr, parent, attr))
-    return sites
-
-
-def add_lora(model: nn.Module, rank: int = 16, alpha: float = 32.0, targets: Sequence[str] = LORA_TARGETS,
-             seed: int = 0) -> list[LoRALinear]:
-    """Freeze `model` and wrap every Linear named in `targets` in a LoRALinear; returns the adapters."""
-    sites = _lora_sites(model, targets)
-    if not sites:
-        raise ValueError(f"targets={tuple(targets)}: no nn.Linear of that name in the model")
-    for p in model.parameters():
-        p.requires_grad_(False)
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _, parent, attr in sites:
-        lora = LoRALinear(getattr(parent, attr), rank, alpha, g)
-        setattr(parent, attr, lora)
-        out.append(lora)
-    return out
-
-
-def merge_lora(model: nn.Module) -> nn.Module:
-    """Replace every LoRALinear in `model` by its merged nn.Linear (in place); returns the model."""
-    for parent in list(model.modules()):
-        for attr, child in list(parent.named_children()):
-            if isinstance(child, LoRALinear):
-                setattr(parent, attr, child.merged())
-    return model
-
-
-def lora_factors(model: nn.Module) -> dict[str, Tensor]:
-    """The A and B factors of every LoRALinear, keyed '<module>.A' / '<module>.B' (CPU copies)."""
-    return {f"{n}.{k}": getattr(m, k).detach().cpu().clone() for n, m in model.named_modules()
-            if isinstance(m, LoRALinear) for k in ("A", "B")}
-
-
-def apply_lora_factors(model: nn.Module, factors: dict[str, Tensor], alpha: float = 32.0) -> nn.Module:
-    """Merge saved LoRA factors into `model`'s Linears in place (W += alpha/r * B A); returns the model."""
-    mods = dict(model.named_modules())
-    names = sorted({k.rsplit(".", 1)[0] for k in factors})
-    for n in names:
-        lin = mods.get(n)
-        if not isinstance(lin, nn.Linear) or f"{n}.A" not in factors or f"{n}.B" not in factors:
-            raise ValueError(f"factors: {n!r} is not an nn.Linear of the model, or lacks its A/B pair")
-        A, B = factors[f"{n}.A"].to(lin.weight), factors[f"{n}.B"].to(lin.weight)
-        if A.shape[1] != lin.in_features or B.shape[0] != lin.out_features or A.shape[0] != B.shape[1]:
-            raise ValueError(f"factors[{n!r}]: A {tuple(A.shape)} and B {tuple(B.shape)} do not fit {lin}")
-        with torch.no_grad():
-            lin.weight += (alpha / A.shape[0]) * (B @ A)
-    return model
-# ---- end of the general LoRA piece ----
 
 # %% ../../nbs/serving/semantic_cache_distill.ipynb #1711ae23
 # The consumer's domain: templated extractive QA over short paragraphs about two invented people.
@@ -846,7 +752,7 @@ def profile_layers(pair: Pair, reuse: dict, patch: dict, cfg: dict, seed: int) -
     n_ctx, n_tail = cfg["profile_ctx"], cfg["profile_tail"]
     rows = next(packed_batches(pair.text.encode, seed + 10_000, cfg["n_profile"], n_ctx + n_tail, "calib"))
     rows = rows.to(next(B.parameters()).device)
-    ctx, tail, tgt = rows[:, :n_ctx], rows[:, n_ctx:n_ctx + n_tail], rows[:, n_ctx + 1:]
+    ctx, tail = rows[:, :n_ctx], rows[:, n_ctx:n_ctx + n_tail]
     ta, tb = capture(A, ctx), capture(B, ctx)
     ref = consumer_logits(B, _oracle_layers(tb), tail, n_ctx)
     as_reuse = SCD(B, reuse, patch, []).decode(SCD(B, reuse, patch, []).encode(ta))
@@ -950,7 +856,6 @@ def run_seed(pair: Pair, seed: int, cfg: dict | None = None, decoder: Callable |
             errs.append(r["errors"])
         timing.append({"seed": seed, "prompt": i, "t_prefill": r["t_prefill"], "t_recon": r["t_recon"], "T": r["T"]})
     say(f"seed {seed}: evaluation {time.perf_counter() - t_mlp:.0f} s")
-    L = calib.layers
     err = {name: (np.mean([e[name][0] for e in errs], 0), np.mean([e[name][1] for e in errs], 0)) for name in errs[0]}
     mse = pd.DataFrame([{"layer": l, "patch_mse": patch[l].mse, "patch_linear_mse": patch[l].linear_mse,
                          "hb_var": calib.hb[l].var().item()} for l in prof["order"]])
