@@ -1,0 +1,1 @@
+"""Paper modules on LLM agents and games."""
