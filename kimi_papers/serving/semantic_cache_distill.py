@@ -170,14 +170,16 @@ def hf_lm_loss(model: nn.Module, batch: Tensor) -> tuple[Tensor, dict]:
 
 
 def lora_finetune(model: nn.Module, batches: Iterator[Tensor], steps: int, rank: int = 16, alpha: float = 32.0,
-                  lr: float = 2e-3, seed: int = 0, targets: Sequence[str] = LORA_TARGETS) -> tuple[nn.Module, dict, Any]:
-    """LoRA-fine-tune `model` in place with core.train (AdamW, cosine), merge it; returns (model, factors, TrainResult)."""
+                  lr: float = 2e-3, seed: int = 0, targets: Sequence[str] = LORA_TARGETS,
+                  warmup: float = 0.02) -> tuple[nn.Module, dict, Any]:
+    """LoRA-fine-tune `model` in place with core.train (AdamW, linear warm-up over a `warmup` fraction of the steps, then
+    cosine), merge it; returns (model, factors, TrainResult)."""
     from kimi_papers.core.train import train
     check_int("steps", steps)
     loras = add_lora(model, rank, alpha, targets, seed)
     opt = torch.optim.AdamW([p for l in loras for p in (l.A, l.B)], lr=lr, weight_decay=0.0)
     model.train()
-    res = train(model, batches, steps, lr=lr, optimizer=opt, loss_fn=hf_lm_loss, count_flops=False, progress=False,
+    res = train(model, batches, steps, lr=lr, warmup=warmup, optimizer=opt, loss_fn=hf_lm_loss, count_flops=False, progress=False,
                 log_every=max(1, steps // 10), desc="lora")
     factors = lora_factors(model)
     merge_lora(model)
@@ -692,7 +694,7 @@ def tiny_pair(seed: int = 0, layers: int = 4, pre_steps: int = 80, ft_steps: int
 
 
 def smollm2_pair(ft_steps: int = 40, rank: int = 16, alpha: float = 32.0, lr: float = 5e-3, batch: int = 4,
-                 seq_len: int = 96, seed: int = 0, device: str = "cpu") -> Pair:
+                 seq_len: int = 96, seed: int = 0, device: str = "cpu", warmup: float = 0.02) -> Pair:
     """A = SmolLM2-135M-Instruct; B = A LoRA-fine-tuned on the QA domain (rank `rank` on q,k,v,o,gate,up,down of
     every layer), merged. The LoRA factors are built once into the model cache (core.models.ensure_cache)."""
     import json
@@ -704,17 +706,20 @@ def smollm2_pair(ft_steps: int = 40, rank: int = 16, alpha: float = 32.0, lr: fl
         raise ValueError(f"seq_len={seq_len}: expected at most 128 tokens (the CPU fine-tune budget)")
     source = {"base": smollm2_source(), "steps": ft_steps, "rank": rank, "alpha": alpha, "lr": lr, "batch": batch,
               "seq_len": seq_len, "seed": seed, "data": "qa_stream v1", "targets": list(LORA_TARGETS)}
+    if warmup != 0.02:                        # the default is left out of the key, so caches built before it stay valid
+        source["warmup"] = warmup
 
     def build(folder):
         model, tok = load_smollm2("cpu")
         t0 = time.perf_counter()
         _, factors, res = lora_finetune(model, packed_batches(hf_codec(tok).encode, seed, batch, seq_len), ft_steps,
-                                        rank=rank, alpha=alpha, lr=lr, seed=seed)
+                                        rank=rank, alpha=alpha, lr=lr, seed=seed, warmup=warmup)
         atomic_write(folder / "lora.safetensors", lambda tmp: save_file(factors, str(tmp)))
         atomic_write_text(folder / "train.json", json.dumps({"history": res.history.to_dict(orient="list"),
                                                             "seconds": time.perf_counter() - t0}))
 
     name = f"scd-consumer-smollm2-r{rank}-s{ft_steps}-lr{lr:g}-T{seq_len}-b{batch}-seed{seed}"
+    name += f"-w{warmup:g}" if warmup != 0.02 else ""
     folder = ensure_cache(name, build, source)
     a, tok = load_smollm2(device)
     b, _ = load_smollm2(device)
