@@ -705,9 +705,7 @@ def smollm2_pair(ft_steps: int = 40, rank: int = 16, alpha: float = 32.0, lr: fl
     if seq_len > 128:
         raise ValueError(f"seq_len={seq_len}: expected at most 128 tokens (the CPU fine-tune budget)")
     source = {"base": smollm2_source(), "steps": ft_steps, "rank": rank, "alpha": alpha, "lr": lr, "batch": batch,
-              "seq_len": seq_len, "seed": seed, "data": "qa_stream v1", "targets": list(LORA_TARGETS)}
-    if warmup != 0.02:                        # the default is left out of the key, so caches built before it stay valid
-        source["warmup"] = warmup
+              "seq_len": seq_len, "seed": seed, "warmup": warmup, "data": "qa_stream v1", "targets": list(LORA_TARGETS)}
 
     def build(folder):
         model, tok = load_smollm2("cpu")
@@ -718,8 +716,7 @@ def smollm2_pair(ft_steps: int = 40, rank: int = 16, alpha: float = 32.0, lr: fl
         atomic_write_text(folder / "train.json", json.dumps({"history": res.history.to_dict(orient="list"),
                                                             "seconds": time.perf_counter() - t0}))
 
-    name = f"scd-consumer-smollm2-r{rank}-s{ft_steps}-lr{lr:g}-T{seq_len}-b{batch}-seed{seed}"
-    name += f"-w{warmup:g}" if warmup != 0.02 else ""
+    name = f"scd-consumer-smollm2-r{rank}-s{ft_steps}-lr{lr:g}-T{seq_len}-b{batch}-seed{seed}-w{warmup:g}"
     folder = ensure_cache(name, build, source)
     a, tok = load_smollm2(device)
     b, _ = load_smollm2(device)
