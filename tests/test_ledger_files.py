@@ -1,11 +1,11 @@
-"""The recorded ledger obeys the verdict rules: every claim has an interval and n, and its status is the one the
-interval implies (recomputed here, not trusted); no claim is decisive with n = 1."""
+"""The recorded ledger obeys the verdict rules: every row has an interval and n, a role, and the status its interval, gates
+and null arms imply (recomputed here, not trusted); no claim or control is decisive with n = 1."""
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from kimi_papers.core.ledger import check_results
+from kimi_papers.core.ledger import check_results, role_of
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "data" / "results"
@@ -21,7 +21,7 @@ def test_every_claim_has_interval_and_n():
         for cid, item in json.loads(p.read_text())["claims"].items():
             for prof, run in item["runs"].items():
                 assert {"estimate", "ci", "n", "method", "status"} <= set(run), f"{p.name}:{cid}[{prof}]"
-                if item.get("kind") == "claim" and run["n"] < 2:
+                if role_of(item) != "mechanics" and run["n"] < 2:
                     assert run["status"] == "inconclusive", f"{p.name}:{cid}[{prof}] decisive with n = 1"
 
 
@@ -38,3 +38,9 @@ def test_check_script_fails_on_a_tampered_status(tmp_path):
     (tmp_path / src.name).write_text(json.dumps(data))
     out = subprocess.run([sys.executable, str(ROOT / "CI" / "check_ledger.py"), str(tmp_path)], capture_output=True, text=True)
     assert out.returncode == 1 and cid in out.stderr, out.stderr
+
+
+def test_every_row_has_a_role():
+    for p in sorted(RESULTS.glob("*.json")):
+        for cid, item in json.loads(p.read_text())["claims"].items():
+            assert item.get("role") in ("claim", "control", "precondition", "mechanics"), f"{p.name}:{cid}: role {item.get('role')!r}"

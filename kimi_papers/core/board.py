@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .config import results_dir
-from .ledger import _fmt_num, _is_current, ledger_dir, load_results, results_path
+from .ledger import _fmt_num, _is_current, ledger_dir, load_results, results_path, role_of
 
 # %% auto #0
 __all__ = ['fmt_estimate', 'board_rows', 'table_html', 'Board', 'board', 'glance_html', 'glance']
 
 # %% ../../nbs/core/board.ipynb #b8400d6d
-_COLUMNS = ["paper", "claim", "statement", "paper_value", "ours", "status", "profile", "device", "kind",
+_COLUMNS = ["paper", "claim", "statement", "paper_value", "ours", "status", "profile", "device", "role", "kind", "requires", "null",
             "estimate", "ci_low", "ci_high", "n", "unit", "threshold", "direction", "reason", "sensitivity_of",
             "seeds", "date", "method"]
 _SHOWN = ["paper", "claim", "paper's number", "ours [95% CI]", "status", "profile", "device"]
@@ -44,7 +44,8 @@ def _row(paper: str, cid: str, item: dict, prof: str, run: dict) -> dict:
     lo, hi = (run.get("ci") or [None, None])
     return {"paper": paper, "claim": cid, "statement": item.get("statement", ""), "paper_value": item.get("paper_value", ""),
             "ours": fmt_estimate(run.get("estimate"), lo, hi, run.get("n"), item.get("unit", "")),
-            "status": run.get("status"), "profile": prof, "device": run.get("device"), "kind": item.get("kind", "claim"),
+            "status": run.get("status"), "profile": prof, "device": run.get("device"), "role": role_of(item), "kind": role_of(item),
+            "requires": list(item.get("requires") or []), "null": list(item.get("null") or []),
             "estimate": run.get("estimate"), "ci_low": lo, "ci_high": hi, "n": run.get("n"), "unit": item.get("unit", ""),
             "threshold": item.get("threshold"), "direction": item.get("direction"), "reason": run.get("reason", ""),
             "sensitivity_of": item.get("sensitivity_of"), "seeds": run.get("seeds"), "date": run.get("date"),
@@ -102,7 +103,8 @@ def table_html(df: "pd.DataFrame", links: dict[str, str] | None = None, show_pap
             paper = f'<a href="{e(links[str(r.paper)])}">{paper}</a>'
         sens = f"↳ reading of <code>{e(str(r.sensitivity_of))}</code>: " if r.sensitivity_of else ""
         why = f'<div class="kimi-why">{e(str(r.reason))}</div>' if r.reason else ""
-        claim = f'{sens}{e(str(r.statement))}<div class="kimi-id">{e(str(r.claim))}</div>'
+        gates = "".join(f" · {name} <code>{e(', '.join(ids))}</code>" for name, ids in (("gated by", r.requires), ("null", r.null)) if ids)
+        claim = f'{sens}{e(str(r.statement))}<div class="kimi-id">{e(str(r.claim))}{gates}</div>'
         cells = ([paper] if show_paper else []) + [claim, e(str(r.paper_value)), f'<span class="num">{e(str(r.ours))}</span>',
                                                     _status_html(r.status) + why, e(str(r.profile)), e(str(r.device or ""))]
         body.append("<tr>" + "".join(f"<td>{x}</td>" for x in cells) + "</tr>")
@@ -144,6 +146,11 @@ class Board:
     substrate: "pd.DataFrame"
     figure: Any
     table: "pd.DataFrame"  # every row, all columns
+    checks: "pd.DataFrame" = None  # controls and preconditions (the gates beside the claims)
+
+    def __post_init__(self):
+        if self.checks is None:
+            self.checks = self.table.iloc[0:0]
 
     def __iter__(self):  # `df, fig = board()` keeps working
         return iter((self.table, self.figure))
@@ -153,7 +160,9 @@ class Board:
         return self.table.empty
 
     def sections(self) -> list[tuple[str, "pd.DataFrame"]]:
-        return [("Paper claims", self.claims), ("Mechanics (identities a correct implementation satisfies)", self.mechanics),
+        return [("Paper claims", self.claims),
+                ("Controls and preconditions (shown beside the claims they gate; never counted as claims)", self.checks),
+                ("Mechanics (identities a correct implementation satisfies)", self.mechanics),
                 ("Substrate benchmarks (kimi_papers.core)", self.substrate)]
 
     def to_text(self, width: int = 200) -> str:
@@ -185,7 +194,7 @@ class Board:
         return "\n".join(out).rstrip() + "\n"
 
     def html_tables(self, links: dict[str, str] | None = None) -> str:
-        """The three tables as HTML fragments with headings."""
+        """The tables as HTML fragments with headings."""
         return "".join(f"<h3>{_html.escape(t)}</h3>{table_html(df, links)}" for t, df in self.sections() if len(df))
 
     def figure_html(self, include_plotlyjs: bool = False) -> str:
@@ -210,9 +219,10 @@ def board(folder: Path | None = None, profile_order: Sequence[str] = ("full", "s
     """The reproduction board from the results files in `folder` (default: the recorded ledger)."""
     df = board_rows(folder, profile_order)
     sub = df.paper.isin(_substrate_slugs())
-    claims, mech, substrate = df[~sub & (df.kind == "claim")], df[~sub & (df.kind == "mechanics")], df[sub]
-    fig = _counts_figure({"claims": claims, "mechanics": mech})
-    return Board(claims.reset_index(drop=True), mech.reset_index(drop=True), substrate.reset_index(drop=True), fig, df)
+    paper = lambda roles: df[~sub & df.role.isin(roles)].reset_index(drop=True)
+    claims, checks, mech = paper(("claim",)), paper(("control", "precondition")), paper(("mechanics",))
+    fig = _counts_figure({"claims": claims, "controls & preconditions": checks, "mechanics": mech})
+    return Board(claims, mech, df[sub].reset_index(drop=True), fig, df, checks)
 
 # %% ../../nbs/core/board.ipynb #7b97199e
 def glance_html(slug: str, folder: Path | None = None) -> str:
@@ -227,7 +237,8 @@ def glance_html(slug: str, folder: Path | None = None) -> str:
     runs = df.assign(day=df.date.astype(str).str[:10])[["profile", "device", "day"]].drop_duplicates()
     ran = "; ".join(f"{r.profile} profile on {r.device}, {r.day}" for r in runs.itertuples())
     parts = [f"<p><b>Results at a glance</b> — {_html.escape(ran)}. Reproduce: <code>{_html.escape(cmd)}</code></p>"]
-    for title, part in (("Claims", df[df.kind == "claim"]), ("Mechanics", df[df.kind == "mechanics"])):
+    for title, part in (("Claims", df[df.role == "claim"]), ("Controls and preconditions", df[df.role.isin(("control", "precondition"))]),
+                        ("Mechanics", df[df.role == "mechanics"])):
         if len(part):
             parts.append(f"<p><b>{title}</b></p>" + table_html(part, show_paper=False))
     return "".join(parts)

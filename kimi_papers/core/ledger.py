@@ -23,53 +23,115 @@ from .config import check_profile, device_name, results_dir
 from .io import atomic_write_text  # one atomic write for the whole core (also importable from here)
 
 # %% auto #0
-__all__ = ['CLAIM_STATUSES', 'MECHANICS_STATUSES', 'UNTESTABLE', 'Claim', 'Estimate', 'as_estimate', 'verdict', 'ledger_dir',
-           'results_path', 'load_results', 'make_entry', 'record', 'adopt', 'check_results']
+__all__ = ['CLAIM_STATUSES', 'MECHANICS_STATUSES', 'ROLES', 'UNTESTABLE', 'VACUOUS', 'Claim', 'Estimate', 'as_estimate',
+           'verdict', 'check_domain', 'unreachable', 'role_of', 'resolve', 'ledger_dir', 'results_path', 'load_results',
+           'make_entry', 'record', 'amend', 'adopt', 'check_results']
 
 # %% ../../nbs/core/ledger.ipynb #83f9a459
 CLAIM_STATUSES = ("reproduced", "not reproduced", "inconclusive")
 MECHANICS_STATUSES = ("holds", "violated", "inconclusive")
+ROLES = ("claim", "control", "precondition", "mechanics")
 _DIRECTIONS = (">=", "<=", ">", "<", "==")
 UNTESTABLE = "untestable:"
+VACUOUS = "vacuous:"
+
+
+def _is_ident(s: Any) -> bool:
+    return isinstance(s, str) and bool(s) and s.replace("_", "").replace("-", "").isalnum()
+
+
+def _ids(value: Any, name: str) -> tuple[str, ...]:
+    """A tuple of row ids from one id or a sequence of ids; a clear error otherwise."""
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise TypeError(f"Claim.{name}: expected a row id or a sequence of row ids, got {type(value).__name__}") from None
+    bad = [v for v in items if not _is_ident(v)]
+    if bad:
+        raise ValueError(f"Claim.{name}: expected row ids (letters, digits, _), got {bad!r}")
+    return items
+
+
+def _domain(value: Any) -> tuple[float | None, float | None] | None:
+    """(low, high) bounds of a metric's domain, either may be None; a clear error otherwise."""
+    if value is None:
+        return None
+    try:
+        lo, hi = value
+    except (TypeError, ValueError):
+        raise ValueError(f"Claim.domain={value!r}: expected (low, high), either may be None") from None
+    lo, hi = (None if v is None else float(v) for v in (lo, hi))
+    if (lo is not None and math.isnan(lo)) or (hi is not None and math.isnan(hi)) or (lo is not None and hi is not None and lo >= hi):
+        raise ValueError(f"Claim.domain={value!r}: expected low < high")
+    return (lo, hi)
 
 
 @dataclass(frozen=True)
 class Claim:
-    """One checkable statement of a paper, with the threshold our metric's interval must clear."""
+    """One ledger row: a paper's claim, a control, a precondition or a mechanics check, with its threshold."""
     paper: str           # the paper's slug, e.g. "spec_md"
     id: str              # short stable id, e.g. "collision_ratio"
-    statement: str       # the claim in one sentence, our words
+    statement: str       # the statement in one sentence, our words
     paper_value: str     # the paper's number and unit, e.g. "up to 85x"
     setting: str         # the paper's setting for that number
     metric: str          # what we measure, with units
     threshold: float | None = None
     direction: str = ">="
-    kind: str = "claim"  # "claim" or "mechanics"
+    kind: str | None = None  # the older name of `role` ("claim" or "mechanics"); set to the role after init
     unit: str = ""       # unit of the measured value, shown beside the estimate ("x", "pp", "ms")
     sensitivity_of: str | None = None  # the headline claim's id when this row is one reading of a reconstructed choice
+    role: str | None = None  # "claim", "control", "precondition" or "mechanics" (default "claim")
+    requires: tuple[str, ...] = ()  # ids of the controls / preconditions that must hold before this row can be decided
+    null: tuple[str, ...] = ()  # ids of trivial-rule rows; if one clears this claim's threshold too, the claim is vacuous
+    domain: tuple[float | None, float | None] | None = None  # the metric's possible range; an interval leaving it is refused
 
     def __post_init__(self):
         for name in ("paper", "id", "statement", "metric"):
             val = getattr(self, name)
             if not isinstance(val, str) or not val.strip():
                 raise ValueError(f"Claim.{name}: expected a non-empty string, got {val!r}")
-        if not self.paper.replace("_", "").isalnum() or not self.id.replace("_", "").replace("-", "").isalnum():
+        if not self.paper.replace("_", "").isalnum() or not _is_ident(self.id):
             raise ValueError(f"Claim paper/id: expected identifiers (letters, digits, _), got {self.paper!r}/{self.id!r}")
-        if self.kind not in ("claim", "mechanics"):
-            raise ValueError(f"Claim.kind={self.kind!r}: expected 'claim' or 'mechanics'")
+        self._init_role()
         if self.direction not in _DIRECTIONS:
             raise ValueError(f"Claim.direction={self.direction!r}: expected one of {_DIRECTIONS}")
-        if self.direction == "==" and self.kind == "claim":
-            raise ValueError("Claim.direction='==': an interval never equals a number; for a claim use an error metric with '<='")
+        if self.direction == "==" and self.role != "mechanics":
+            raise ValueError(f"Claim.direction='==': an interval never equals a number; for a {self.role} use an error metric with '<='")
         if self.threshold is not None and (isinstance(self.threshold, bool) or not math.isfinite(float(self.threshold))):
             raise ValueError(f"Claim.threshold={self.threshold!r}: expected a finite number or None")
         if self.sensitivity_of is not None and (not isinstance(self.sensitivity_of, str) or self.sensitivity_of == self.id):
             raise ValueError(f"Claim.sensitivity_of={self.sensitivity_of!r}: expected the id of another claim")
+        self._init_gates()
+
+    def _init_role(self) -> None:
+        if self.kind is not None and self.kind not in ("claim", "mechanics"):
+            raise ValueError(f"Claim.kind={self.kind!r}: expected 'claim' or 'mechanics' (or give role=, one of {ROLES})")
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"Claim.role={self.role!r}: expected one of {ROLES}")
+        if self.role is not None and self.kind is not None and self.kind != self.role:
+            raise ValueError(f"Claim: kind={self.kind!r} and role={self.role!r} disagree; give role= only")
+        role = self.role or self.kind or "claim"
+        object.__setattr__(self, "role", role)
+        object.__setattr__(self, "kind", role)
+
+    def _init_gates(self) -> None:
+        object.__setattr__(self, "requires", _ids(self.requires, "requires"))
+        object.__setattr__(self, "null", _ids(self.null, "null"))
+        object.__setattr__(self, "domain", _domain(self.domain))
+        if self.id in self.requires + self.null:
+            raise ValueError(f"Claim {self.id!r}: a row cannot require itself or be its own null arm")
+        if self.null and self.role != "claim":
+            raise ValueError(f"Claim.null: only a claim names null arms, {self.id!r} is a {self.role}")
+        if self.role == "mechanics" and self.requires:
+            raise ValueError(f"Claim.requires: a mechanics row holds by construction and needs no gate ({self.id!r})")
 
     @property
     def statuses(self) -> tuple[str, str, str]:
-        """(pass, fail, undecided) status names for this kind."""
-        return CLAIM_STATUSES if self.kind == "claim" else MECHANICS_STATUSES
+        """(pass, fail, undecided) status names for this row's role."""
+        return CLAIM_STATUSES if self.role == "claim" else MECHANICS_STATUSES
 
 # %% ../../nbs/core/ledger.ipynb #2d1e3108
 def _t_crit(df: int, level: float) -> float:
@@ -204,13 +266,13 @@ def _sides(direction: str, t: float, lo: float, hi: float) -> tuple[bool, bool]:
 
 
 def verdict(claim: Claim, est: Estimate) -> tuple[str, str]:
-    """(status, reason) that the interval of `est` implies for `claim` (DESIGN.md, "Verdicts")."""
+    """(status, reason) that the interval of `est` alone implies for `claim` (DESIGN.md, "Verdicts"); gates come after."""
     yes, no, undecided = claim.statuses
     if claim.threshold is None:
         raise ValueError(f"claim {claim.id!r} has no threshold: give one, or record status='inconclusive' with an 'untestable: ...' reason")
     if est.has_nan:
         return undecided, "the measurement or its interval is NaN"
-    if claim.kind == "claim" and est.n < 2:
+    if claim.role != "mechanics" and est.n < 2:
         return undecided, "n = 1: one measurement cannot decide a claim"
     t = float(claim.threshold)
     inside, outside = _sides(claim.direction, t, est.low, est.high)
@@ -233,6 +295,145 @@ def _fmt_num(x: Any) -> str:
     if x != 0 and abs(x) < 1e-3:
         return f"{x:.2e}"
     return f"{x:.4g}" if abs(x) >= 1 else f"{x:.3g}"
+
+
+def _fmt_interval(est: Estimate) -> str:
+    return f"{_fmt_num(est.value)} [{_fmt_num(est.low)}, {_fmt_num(est.high)}]"
+
+# %% ../../nbs/core/ledger.ipynb #2c775cbf
+def check_domain(claim: Claim, est: Estimate) -> None:
+    """Refuse an estimate whose value or interval leaves the metric's `claim.domain` (e.g. a ratio's t-interval below 0)."""
+    if claim.domain is None or est.has_nan:
+        return
+    lo, hi = claim.domain
+    below = lo is not None and min(est.value, est.low) < lo
+    above = hi is not None and max(est.value, est.high) > hi
+    if below or above:
+        raise ValueError(f"claim {claim.id!r}: the interval {_fmt_interval(est)} ({est.method}) leaves the metric's domain "
+                         f"[{_fmt_num(lo) if lo is not None else '-inf'}, {_fmt_num(hi) if hi is not None else 'inf'}]: "
+                         "use an interval that respects it (a t-interval of the log-ratio mapped back with exp, "
+                         "or Estimate.bootstrap of the statistic itself)")
+
+
+def _reach(reach: Any) -> tuple[float, float] | None:
+    """(low, high) of what the metric can attain in this setup; a clear error otherwise."""
+    if reach is None:
+        return None
+    try:
+        lo, hi = (float(v) for v in reach)
+    except (TypeError, ValueError):
+        raise ValueError(f"reach={reach!r}: expected (low, high), the range the metric can attain in this setup") from None
+    if not (lo <= hi):
+        raise ValueError(f"reach={reach!r}: expected low <= high")
+    return (lo, hi)
+
+
+def unreachable(claim: Claim, reach: tuple[float, float] | None) -> str:
+    """The 'untestable: ...' reason when no value the setup can attain lies on the claim's side of its threshold, else ''."""
+    if reach is None or claim.threshold is None:
+        return ""
+    inside, _ = _sides(claim.direction, float(claim.threshold), reach[1], reach[1]) if claim.direction in (">=", ">") \
+        else _sides(claim.direction, float(claim.threshold), reach[0], reach[0])
+    if inside:
+        return ""
+    return (f"{UNTESTABLE} the metric can only reach [{_fmt_num(reach[0])}, {_fmt_num(reach[1])}] here, never "
+            f"{claim.direction} {_fmt_num(claim.threshold)}")
+
+# %% ../../nbs/core/ledger.ipynb #ed4b6327
+_CLAIM_FIELDS = ("statement", "paper_value", "setting", "metric", "threshold", "direction", "unit", "sensitivity_of",
+                 "requires", "null", "domain")
+
+
+def role_of(item: dict) -> str:
+    """The role of a stored row (files written before roles existed say `kind`)."""
+    return item.get("role") or item.get("kind") or "claim"
+
+
+def _claim_from(paper: str, cid: str, item: dict) -> Claim:
+    fields = {k: item[k] for k in _CLAIM_FIELDS if k in item and item[k] is not None}
+    return Claim(paper=paper, id=cid, role=role_of(item), **fields)
+
+
+def _stored_estimate(run: dict) -> Estimate:
+    lo, hi = (math.nan if v is None else float(v) for v in run["ci"])
+    val = math.nan if run["estimate"] is None else float(run["estimate"])
+    return Estimate(val, lo, hi, int(run["n"]), str(run.get("method", "")), level=float(run.get("level", 0.95)))
+
+
+_SHOWN_STATUSES = ("reproduced", "holds")
+
+
+def _normalize(claim: Claim, run: dict) -> None:
+    """Give a run stored before gates existed its `typed` flag and the author's own reason (in place)."""
+    if "typed" not in run:
+        run["typed"] = run.get("status") == "inconclusive" and str(run.get("reason", "")).startswith(UNTESTABLE)
+    if "given_reason" not in run:
+        reason = str(run.get("reason", ""))
+        if not run["typed"] and claim.threshold is not None:
+            why = verdict(claim, _stored_estimate(run))[1]
+            if why and reason.endswith(why):
+                reason = reason[: -len(why)].rstrip("; ")
+        run["given_reason"] = reason
+
+
+def _row_status(claim: Claim, run: dict) -> tuple[str, str]:
+    """(status, reason) of a stored run from its own interval, reach and typed status."""
+    _normalize(claim, run)
+    reach = tuple(run["reach"]) if run.get("reach") else None
+    return _own_status(claim, _stored_estimate(run), bool(run["typed"]), run["given_reason"], reach)
+
+
+def _gate_reasons(paper: str, claims: dict, claim: Claim, own: str, profile: str, memo: dict, stack: tuple) -> list[str]:
+    """Why `claim` cannot be decided in `profile`: required rows not shown, null arms that clear its threshold too."""
+    out = []
+    for rid in claim.requires:
+        rrun = claims.get(rid, {}).get("runs", {}).get(profile)
+        if rrun is None:
+            out.append(f"{UNTESTABLE} {rid} not recorded in this profile")
+            continue
+        rst, _ = _resolve_row(paper, claims, rid, profile, memo, stack + (claim.id,))
+        if rst not in _SHOWN_STATUSES:
+            out.append(f"{UNTESTABLE} {rid} not shown ({rst}, {_fmt_interval(_stored_estimate(rrun))})")
+    if own == claim.statuses[0]:
+        for nid in claim.null:
+            nrun = claims.get(nid, {}).get("runs", {}).get(profile)
+            if nrun is None:
+                out.append(f"{UNTESTABLE} null arm {nid} not recorded in this profile")
+                continue
+            ne = _stored_estimate(nrun)
+            if not ne.has_nan and _sides(claim.direction, float(claim.threshold), ne.low, ne.high)[0]:
+                out.append(f"{VACUOUS} {nid} clears it too ({_fmt_interval(ne)})")
+    return out
+
+
+def _resolve_row(paper: str, claims: dict, cid: str, profile: str, memo: dict, stack: tuple = ()) -> tuple[str, str]:
+    """The final (status, reason) of row `cid` in `profile`: its own verdict, then its gates and null arms."""
+    if cid in memo:
+        return memo[cid]
+    if cid in stack:
+        raise ValueError(f"{paper}: the rows' requires= form a cycle: {' -> '.join(stack + (cid,))}")
+    item = claims[cid]
+    claim, run = _claim_from(paper, cid, item), item["runs"][profile]
+    own, why = _row_status(claim, run)
+    gates = _gate_reasons(paper, claims, claim, own, profile, memo, stack)
+    status = claim.statuses[2] if gates else own
+    memo[cid] = (status, "; ".join(gates + ([why] if why else [])))
+    return memo[cid]
+
+
+def resolve(data: dict) -> dict:
+    """Recompute, in place, every run's status in one results file: own interval first, then gates and null arms."""
+    paper, claims = data.get("paper", ""), data.get("claims", {})
+    profiles = sorted({p for it in claims.values() for p in it.get("runs", {})})
+    for prof in profiles:
+        memo: dict = {}
+        for cid, item in claims.items():
+            if prof in item.get("runs", {}):
+                status, reason = _resolve_row(paper, claims, cid, prof, memo)
+                run = item["runs"][prof]
+                run["own_status"] = _row_status(_claim_from(paper, cid, item), run)[0]
+                run["status"], run["reason"] = status, reason
+    return data
 
 # %% ../../nbs/core/ledger.ipynb #54f41172
 def _jsonable(v: Any) -> Any:
@@ -301,6 +502,7 @@ def _write(path: Path, data: dict) -> None:
             data["claims"][cid]["runs"] = runs
         else:
             del data["claims"][cid]
+    resolve(data)
     atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True, allow_nan=False) + "\n")
 
 # %% ../../nbs/core/ledger.ipynb #68d06a04
@@ -313,46 +515,90 @@ def _check_status(claim: Claim, status: str | None, reason: str) -> None:
                          f"status='inconclusive' with reason='untestable: <why the setup cannot reach the claim>' may be given")
 
 
+def _own_status(claim: Claim, est: Estimate, typed: bool, given: str, reach: tuple[float, float] | None) -> tuple[str, str]:
+    """(status, reason) from the row's own interval, its reach and a typed 'untestable', before gates and null arms."""
+    if typed:
+        return claim.statuses[2], given
+    why = unreachable(claim, reach)
+    if why:
+        return claim.statuses[2], "; ".join(r for r in (why, given) if r)
+    st, why = verdict(claim, est)
+    return st, "; ".join(r for r in (given, why) if r)
+
+
 def make_entry(claim: Claim, measured: Any, profile: str, *, seeds: Sequence[int] = (), status: str | None = None,
-               reason: str = "", note: str = "", device: str | None = None, **context: Any) -> dict:
-    """The ledger entry for `measured` (number, per-seed values or Estimate) with its computed status."""
+               reason: str = "", note: str = "", device: str | None = None, reach: Any = None, **context: Any) -> dict:
+    """The ledger entry for `measured` (number, per-seed values or Estimate) with the status its own interval implies."""
     if not isinstance(claim, Claim):
         raise TypeError(f"claim: expected a Claim, got {type(claim).__name__}")
     check_profile(profile)
     _check_status(claim, status, reason)
     est = as_estimate(measured)
-    if status is None:
-        status, why = verdict(claim, est)
-        reason = "; ".join(r for r in (reason.strip(), why) if r)
+    check_domain(claim, est)
+    reach_ = _reach(reach)
+    typed = status is not None
+    status, why = _own_status(claim, est, typed, reason.strip(), reach_)
     from kimi_papers import __version__
     return {
         "estimate": _jsonable(est.value), "measured": _jsonable(est.value),
         "ci": [_jsonable(est.low), _jsonable(est.high)], "n": int(est.n), "method": est.method,
         "level": est.level, "samples": _jsonable(list(est.samples)),
-        "status": status, "reason": reason, "profile": profile, "seeds": [int(s) for s in seeds],
+        "status": status, "reason": why, "own_status": status, "given_reason": reason.strip(), "typed": typed,
+        "reach": _jsonable(list(reach_)) if reach_ else None, "profile": profile, "seeds": [int(s) for s in seeds],
         "device": device or device_name(), "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "version": __version__, "note": note, "context": _jsonable(context),
     }
 
 
 def _claim_meta(claim: Claim) -> dict:
-    return {k: v for k, v in asdict(claim).items() if k not in ("paper", "id")}
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(claim).items() if k not in ("paper", "id", "kind")}
 
 
 def record(claim: Claim, measured: Any, profile: str, *, seeds: Sequence[int] = (), status: str | None = None,
            reason: str = "", note: str = "", device: str | None = None, folder: Path | None = None,
-           **context: Any) -> dict:
-    """Record `measured` (number, per-seed values [n] or Estimate) for `claim` under `profile`; returns the entry."""
+           reach: Any = None, **context: Any) -> dict:
+    """Record `measured` (number, per-seed values [n] or Estimate) for `claim` under `profile`; returns the entry.
+
+    `reach=(low, high)`: the range the metric can attain in this setup (e.g. a gain over a baseline at 0.966 AUC can
+    reach at most 0.034); a threshold outside it makes the row 'untestable'. The returned status already applies the
+    row's gates and null arms as far as they are recorded; recording a control later updates the claims it gates."""
     entry = make_entry(claim, measured, profile, seeds=seeds, status=status, reason=reason, note=note,
-                       device=device, **context)
+                       device=device, reach=reach, **context)
     path = results_path(claim.paper, folder)
     with _locked(path):
         data = load_results(claim.paper, folder)
         item = data["claims"].setdefault(claim.id, {})
+        item.pop("kind", None)
         item.update(_claim_meta(claim))
         item.setdefault("runs", {})[profile] = entry
         _write(path, data)
-    return entry
+    return data["claims"][claim.id]["runs"][profile]
+
+
+def amend(claim: Claim, folder: Path | None = None) -> dict:
+    """Rewrite the stored description of a recorded row (role, gates, null arms, wording) and recompute every status.
+
+    The threshold, direction and metric were fixed before the run and cannot change here: rerun to change them."""
+    if not isinstance(claim, Claim):
+        raise TypeError(f"claim: expected a Claim, got {type(claim).__name__}")
+    path = results_path(claim.paper, folder)
+    with _locked(path):
+        data = load_results(claim.paper, folder)
+        item = data["claims"].get(claim.id)
+        if not item or not item.get("runs"):
+            raise ValueError(f"amend: {claim.paper}/{claim.id} has no recorded run in {path}: record it instead")
+        old = _claim_from(claim.paper, claim.id, item)
+        for f in ("threshold", "direction", "metric"):
+            if getattr(old, f) != getattr(claim, f):
+                raise ValueError(f"amend: Claim.{f} would change from {getattr(old, f)!r} to {getattr(claim, f)!r}; "
+                                 "it was fixed before the run: rerun and record to change it")
+        for run in item["runs"].values():
+            _normalize(old, run)
+            check_domain(claim, _stored_estimate(run))
+        item.pop("kind", None)
+        item.update(_claim_meta(claim))
+        _write(path, data)
+    return data["claims"][claim.id]
 
 # %% ../../nbs/core/ledger.ipynb #949201b9
 def adopt(run_folder: Path, folder: Path | None = None) -> list[str]:
@@ -378,44 +624,64 @@ def adopt(run_folder: Path, folder: Path | None = None) -> list[str]:
     return papers
 
 # %% ../../nbs/core/ledger.ipynb #3a4fc33a
-def _claim_from(paper: str, cid: str, item: dict) -> Claim:
-    fields = {k: item[k] for k in ("statement", "paper_value", "setting", "metric", "threshold", "direction", "kind",
-                                   "unit", "sensitivity_of") if k in item}
-    return Claim(paper=paper, id=cid, **fields)
+def _file_problems(name: str, data: dict) -> list[str]:
+    """Unknown ids in requires= / null=, null arms that are not controls, intervals outside a declared domain."""
+    out, claims = [], data.get("claims", {})
+    for cid, item in claims.items():
+        claim = _claim_from(data.get("paper", name), cid, item)
+        for rid in claim.requires + claim.null:
+            if rid not in claims:
+                out.append(f"{name}:{cid}: names {rid!r} in requires/null, which this file does not record")
+        for nid in claim.null:
+            if nid in claims and role_of(claims[nid]) != "control":
+                out.append(f"{name}:{cid}: null arm {nid!r} has role {role_of(claims[nid])!r}, expected 'control'")
+        for prof, run in item.get("runs", {}).items():
+            try:
+                check_domain(claim, _stored_estimate(run))
+            except ValueError as e:
+                out.append(f"{name}:{cid}[{prof}]: {e}")
+    return out
 
 
-def _stored_estimate(run: dict) -> Estimate:
-    lo, hi = (math.nan if v is None else float(v) for v in run["ci"])
-    val = math.nan if run["estimate"] is None else float(run["estimate"])
-    return Estimate(val, lo, hi, int(run["n"]), str(run.get("method", "")), level=float(run.get("level", 0.95)))
+def _t_problem(where: str, run: dict, est: Estimate) -> str:
+    """A stored t-interval that does not follow from its stored samples, else ''."""
+    if run.get("method") != "t" or len(run.get("samples") or []) < 2 or None in run["samples"]:
+        return ""
+    re_t = Estimate.t(run["samples"], float(run.get("level", 0.95)))
+    # samples are stored to 6 significant digits: an end near 0 may move by ~1e-5 x the samples' scale
+    scale = max(abs(float(s)) for s in run["samples"])
+    if np.allclose([re_t.low, re_t.high], [est.low, est.high], rtol=1e-4, atol=max(1e-9, 1e-4 * scale)):
+        return ""
+    return f"{where}: t-interval {run['ci']} does not match its samples ({re_t.low:.6g}, {re_t.high:.6g})"
 
 
 def check_results(folder: Path | None = None) -> list[str]:
-    """Problems in a results folder: old-format runs, statuses the intervals do not imply, t-intervals off their samples."""
+    """Problems in a results folder: statuses that the intervals, gates and null arms do not imply, bad references, old formats."""
+    import copy
     folder = Path(folder or ledger_dir())
     problems = []
     for p in sorted(folder.glob("*.json")):
         data = load_results(p.stem, folder)
+        old = [f"{p.name}:{cid}[{prof}]" for cid, it in data.get("claims", {}).items()
+               for prof, run in it.get("runs", {}).items() if not _is_current(run)]
+        if old:
+            problems += [f"{w}: no interval/n (old point-estimate format): rerun and record" for w in old]
+            continue
+        problems += _file_problems(p.name, data)
+        try:
+            want = resolve(copy.deepcopy(data))
+        except ValueError as e:
+            problems.append(f"{p.name}: {e}")
+            continue
         for cid, item in data.get("claims", {}).items():
             for prof, run in item.get("runs", {}).items():
-                where = f"{p.name}:{cid}[{prof}]"
-                if not _is_current(run):
-                    problems.append(f"{where}: no interval/n (old point-estimate format): rerun and record")
-                    continue
-                claim = _claim_from(p.stem, cid, item)
-                est = _stored_estimate(run)
-                if run["status"] == "inconclusive" and str(run.get("reason", "")).startswith(UNTESTABLE):
-                    continue
-                want, _ = verdict(claim, est)
-                if run["status"] != want:
-                    problems.append(f"{where}: status {run['status']!r} but the interval implies {want!r}")
-                if run.get("method") == "t" and len(run.get("samples") or []) >= 2 and None not in run["samples"]:
-                    re_t = Estimate.t(run["samples"], float(run.get("level", 0.95)))
-                    # samples are stored to 6 significant digits: an end near 0 may move by ~1e-5 x the samples' scale
-                    scale = max(abs(float(s)) for s in run["samples"])
-                    if not np.allclose([re_t.low, re_t.high], [est.low, est.high], rtol=1e-4, atol=max(1e-9, 1e-4 * scale)):
-                        problems.append(f"{where}: t-interval {run['ci']} does not match its samples ({re_t.low:.6g}, {re_t.high:.6g})")
-                if claim.kind == "claim" and est.n < 2 and run["status"] in ("reproduced", "not reproduced"):
+                where, est = f"{p.name}:{cid}[{prof}]", _stored_estimate(run)
+                w = want["claims"][cid]["runs"][prof]["status"]
+                if run["status"] != w:
+                    problems.append(f"{where}: status {run['status']!r} but its interval, gates and null arms imply {w!r}")
+                if (t := _t_problem(where, run, est)):
+                    problems.append(t)
+                if role_of(item) != "mechanics" and est.n < 2 and run["status"] in ("reproduced", "not reproduced", "holds", "violated"):
                     problems.append(f"{where}: decisive status with n = {est.n}")
     return problems
 

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from .config import SettingsError, check_profile, ledger_dir, project_root, runs_dir, settings
 from .board import board
 from .io import atomic_write
-from .ledger import adopt, atomic_write_text, load_results
+from .ledger import adopt, atomic_write_text, load_results, role_of
 from .runner import PAPER_FOLDERS, Parameter, RunResult, Stopper, Workbook, alive, check_params
 from .runner import failed_cell, kill_tree, mark_incomplete, notebook_parameters, papermill_warnings
 from .runner import process_tree, run_env, run_notebook, select, workbooks
@@ -248,7 +248,7 @@ def _claims_status(slug: str, profile: str, folder: Path) -> str:
         claims = load_results(slug, folder)["claims"]
     except ValueError:
         return "unreadable"
-    runs = [c["runs"][profile] for c in claims.values() if profile in c.get("runs", {}) and c.get("kind", "claim") == "claim"]
+    runs = [c["runs"][profile] for c in claims.values() if profile in c.get("runs", {}) and role_of(c) == "claim"]
     if not runs:
         return "-"
     return f"{sum(r.get('status') == 'reproduced' for r in runs)}/{len(runs)} reproduced"
