@@ -575,10 +575,12 @@ def record(claim: Claim, measured: Any, profile: str, *, seeds: Sequence[int] = 
     return data["claims"][claim.id]["runs"][profile]
 
 
-def amend(claim: Claim, folder: Path | None = None) -> dict:
+def amend(claim: Claim, folder: Path | None = None, *, untype: bool = False) -> dict:
     """Rewrite the stored description of a recorded row (role, gates, null arms, wording) and recompute every status.
 
-    The threshold, direction and metric were fixed before the run and cannot change here: rerun to change them."""
+    The threshold, direction and metric were fixed before the run and cannot change here: rerun to change them.
+    `untype=True` drops a hand-typed 'untestable' status (a notebook gate now expressed as `requires=`), so the
+    ledger computes the status from the interval and the gates."""
     if not isinstance(claim, Claim):
         raise TypeError(f"claim: expected a Claim, got {type(claim).__name__}")
     path = results_path(claim.paper, folder)
@@ -595,6 +597,10 @@ def amend(claim: Claim, folder: Path | None = None) -> dict:
         for run in item["runs"].values():
             _normalize(old, run)
             check_domain(claim, _stored_estimate(run))
+            if untype and run["typed"]:
+                if claim.threshold is None:
+                    raise ValueError(f"amend: untype=True needs a threshold for {claim.id!r} to compute its status")
+                run["typed"], run["given_reason"] = False, ""
         item.pop("kind", None)
         item.update(_claim_meta(claim))
         _write(path, data)
