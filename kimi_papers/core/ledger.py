@@ -210,7 +210,10 @@ class Estimate:
             return cls(value, math.nan, math.nan, n, f"bootstrap ({n_boot - s.size} of {n_boot} resamples non-finite)", (), level)
         lo, hi = np.percentile(s, [50 * (1 - level), 50 * (1 + level)])
         method = f"bootstrap ({'paired' if paired else 'unpaired'}, {n_boot} resamples, seed {seed})"
-        return cls(value, float(lo), float(hi), n, method, tuple(float(x) for x in arrs[0]) if len(arrs) == 1 else (), level)
+        # the one array's values are kept as samples only when the statistic summarises them (mean / median); an array
+        # that indexes into other data (a seed or prompt index for a closure) is not a sample
+        keep = len(arrs) == 1 and statistic in (np.mean, np.median, np.nanmean, np.nanmedian)
+        return cls(value, float(lo), float(hi), n, method, tuple(float(x) for x in arrs[0]) if keep else (), level)
 
     @classmethod
     def point(cls, value: Any) -> "Estimate":
