@@ -33,7 +33,12 @@ def _template() -> go.layout.Template:
     t.layout.font = dict(family="Inter, Helvetica, Arial, sans-serif", size=13)
     t.layout.title = dict(x=0.02, xanchor="left", font=dict(size=16))
     t.layout.margin = dict(l=60, r=20, t=60, b=50)
-    t.layout.legend = dict(orientation="h", yanchor="bottom", y=1.02, xanchor="right", x=1)
+    # the legend sits right of the plot area, top-aligned: never over the title or a subplot title
+    t.layout.legend = dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02)
+    # ticks as 1e-4 / 10^-4, never SI prefixes ("100μ" on a KL axis)
+    axis = dict(exponentformat="power", showexponent="all")
+    t.layout.xaxis.update(axis)
+    t.layout.yaxis.update(axis)
     t.layout.hovermode = "closest"
     return t
 
@@ -56,12 +61,13 @@ def setup() -> None:
     pio.renderers.default = "kimi"
 
 
-def show(fig: go.Figure) -> go.Figure:
-    """Show `fig` with the collection's renderer; returns it for chaining."""
+def show(fig: go.Figure) -> None:
+    """Show `fig` once with the collection's renderer (returns None, so a cell ending in `show(fig)` draws it once)."""
+    if not isinstance(fig, go.Figure):
+        raise TypeError(f"fig: expected a plotly Figure, got {type(fig).__name__}")
     if pio.renderers.default != "kimi":
         setup()
     fig.show()
-    return fig
 
 
 def interactive() -> bool:
