@@ -24,9 +24,9 @@ from typing import Any, Iterator, Sequence
 from .config import check_like, project_root, settings
 
 # %% auto #0
-__all__ = ['PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'Parameter', 'notebook_parameters', 'check_params', 'RunResult',
-           'failed_cell', 'papermill_warnings', 'mark_incomplete', 'run_env', 'run_notebook', 'process_tree', 'alive',
-           'kill_tree', 'Stopper']
+__all__ = ['PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'Parameter', 'notebook_parameters', 'profile_table',
+           'check_params', 'RunResult', 'failed_cell', 'papermill_warnings', 'mark_incomplete', 'run_env',
+           'run_notebook', 'process_tree', 'alive', 'kill_tree', 'Stopper']
 
 # %% ../../nbs/core/runner.ipynb #2dc095b1
 PAPER_FOLDERS = ("rl", "architectures", "serving", "decoding", "agents", "evaluation", "safety", "science")
@@ -79,7 +79,9 @@ def select(slugs: Sequence[str], root: Path | None = None) -> list[Workbook]:
     by_slug = {w.slug: w for w in books}
     unknown = [s for s in slugs if s not in by_slug]
     if unknown:
-        raise ValueError(f"unknown slug {', '.join(map(repr, unknown))}; expected one of: {', '.join(by_slug)}")
+        close = [m for s in unknown for m in difflib.get_close_matches(s, list(by_slug), n=1, cutoff=0.6)]
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise ValueError(f"unknown slug {', '.join(map(repr, unknown))}{hint}; expected one of: {', '.join(by_slug)}")
     return [by_slug[s] for s in dict.fromkeys(slugs)]
 
 # %% ../../nbs/core/runner.ipynb #cc958e55
@@ -154,6 +156,47 @@ def notebook_parameters(path: Path) -> dict[str, Parameter]:
     return _parse_parameters(_parameters_source(path))
 
 
+def _literal(node: ast.AST) -> Any:
+    """A literal, or a `dict(k=literal, ...)` call, as a value (tuples as lists); `_UNKNOWN` otherwise."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args:
+        return {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg}
+    if isinstance(node, ast.Dict):
+        keys = [_literal(k) if k is not None else _UNKNOWN for k in node.keys]
+        return {k: _literal(v) for k, v in zip(keys, node.values) if isinstance(k, str)}
+    try:
+        val = ast.literal_eval(node)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return _UNKNOWN
+    return list(val) if isinstance(val, tuple) else val
+
+
+def profile_table(path: Path) -> dict[str, dict[str, Any]]:
+    """The notebook's `PROFILES = {profile: dict(knob=value, ...)}` table, as far as its values are literals ({} if none)."""
+    for cell in json.loads(Path(path).read_text()).get("cells", []):
+        src = "".join(cell.get("source", "")) if cell.get("cell_type") == "code" else ""
+        if "PROFILES" not in src:
+            continue
+        try:
+            tree = ast.parse("\n".join(ln for ln in src.splitlines() if not ln.lstrip().startswith(("%", "!"))))
+        except SyntaxError:
+            continue
+        for st in tree.body:
+            if isinstance(st, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "PROFILES" for t in st.targets):
+                table = _literal(st.value)
+                if isinstance(table, dict):
+                    return {p: v for p, v in table.items() if isinstance(v, dict)}
+    return {}
+
+
+def _profile_like(table: dict[str, dict[str, Any]], key: str, profile: str | None) -> Any:
+    """The value `key` takes in `profile`'s row of the table (or the first row that sets it); `_UNKNOWN` if none."""
+    rows = ([table[profile]] if profile in table else []) + list(table.values())
+    for row in rows:
+        if key in row and row[key] is not _UNKNOWN and row[key] is not None:
+            return row[key]
+    return _UNKNOWN
+
+
 def check_params(book: "Workbook", params: dict[str, Any], profile: str | None = None) -> dict[str, Any]:
     """`params` checked against `book`'s parameters cell, plus `profile` where the notebook declares one."""
     src = _parameters_source(book.path)
@@ -167,7 +210,12 @@ def check_params(book: "Workbook", params: dict[str, Any], profile: str | None =
         p = declared[key]
         if val is None and (p.default.strip() == "None" or p.type_name.lower().startswith("optional")):
             continue  # None = "take it from the profile"
-        check_like(f"-p {key}", val, p.like, f" ({book.slug}'s default)")
+        like, where = p.like, f" ({book.slug}'s default)"
+        if like is None and p.default.strip() == "None":  # "None = from the profile table": check against the table's value
+            table_like = _profile_like(profile_table(book.path), key, profile)
+            if table_like is not _UNKNOWN:
+                like, where = table_like, f" ({book.slug}'s {profile or 'profile'} table value)"
+        check_like(f"-p {key}", val, like, where)
     if profile is not None and "profile" not in declared:
         lost = [ln for ln in (src or "").splitlines() if re.match(r"profile\s*(?::[^=]*)?=(?!=)", ln)]
         if lost:  # papermill would not inject it: `--profile full` would silently run the notebook's default profile
