@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['MEMORY_EXIT', 'SETUP_EXIT', 'RUN_TOKEN_ENV']
+__all__ = ['MEMORY_EXIT', 'SETUP_EXIT', 'RUN_TOKEN_ENV', 'START_TIMEOUT_S']
 
 # %% ../../nbs/core/sandbox_launcher.ipynb #5d1e0a08
 MEMORY_EXIT = 86       # the launcher's exit code after a MemoryError in the code
@@ -27,38 +27,70 @@ _LAUNCHER = r'''
 import sys
 if sys.path and sys.path[0] in ("", "."):
     del sys.path[0]                          # the work dir must not shadow the launcher's own imports
-import ctypes, json, os, resource, select, signal, time
+import json, os
 cfg = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
 
 def fail(msg):
     os.write(2, ("sandbox setup failed: " + msg + "\n").encode())
     os._exit(SETUP_EXIT)
 
-# 1. drop to the sandbox uid first: RLIMIT_NPROC does not bind root
-uid, gid = cfg["uid"], cfg["gid"]
-try:
-    if os.getuid() == 0 and uid != 0:
-        os.setgroups([]), os.setresgid(gid, gid, gid), os.setresuid(uid, uid, uid)
-except OSError as e:
-    fail("cannot drop to uid %d: %s" % (uid, e))
-if os.getresuid() != (uid,) * 3 or os.getresgid() != (gid,) * 3:
-    fail("still uid %r, gid %r" % (os.getresuid(), os.getresgid()))
-try:
-    if uid != 0 and os.setuid(0) is None:
-        fail("could regain root after the drop")
-except OSError:
-    pass
-if cfg["no_new_privs"] and libc.prctl(38, 1, 0, 0, 0) != 0:   # PR_SET_NO_NEW_PRIVS (bwrap sets it itself)
-    fail("prctl(PR_SET_NO_NEW_PRIVS) failed")
-if not cfg["pid_ns"] and os.getppid() != cfg["parent"]:
-    os._exit(SETUP_EXIT)                     # the caller is gone already
+def stage1():
+    # trusted setup: who we are, which system calls we may make; then a fresh interpreter (no ctypes, no caps)
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    uid, gid = cfg["uid"], cfg["gid"]
+    try:
+        if os.getuid() == 0 and uid != 0:
+            os.setgroups([]), os.setresgid(gid, gid, gid), os.setresuid(uid, uid, uid)
+    except OSError as e:
+        fail("cannot drop to uid %d: %s" % (uid, e))
+    if os.getresuid() != (uid,) * 3 or os.getresgid() != (gid,) * 3:
+        fail("still uid %r, gid %r" % (os.getresuid(), os.getresgid()))
+    try:
+        if uid != 0 and os.setuid(0) is None:
+            fail("could regain root after the drop")
+    except OSError:
+        pass
+    if cfg["userns"]:                        # a user namespace of this run's own: RLIMIT_NPROC counts this run only
+        libc.prctl(4, 1, 0, 0, 0)            # PR_SET_DUMPABLE (the uid change cleared it): /proc/self is ours again
+        if libc.unshare(0x10000000) != 0:    # CLONE_NEWUSER
+            fail("unshare(CLONE_NEWUSER): " + os.strerror(ctypes.get_errno()))
+        for name, text in (("setgroups", "deny"), ("uid_map", "%d %d 1" % (uid, uid)), ("gid_map", "%d %d 1" % (gid, gid))):
+            with open("/proc/self/" + name, "w") as fh:
+                fh.write(text)
+    if libc.prctl(38, 1, 0, 0, 0) != 0:      # PR_SET_NO_NEW_PRIVS: no setuid binary gives root back
+        fail("prctl(PR_SET_NO_NEW_PRIVS) failed")
+    if cfg["seccomp"]:
+        prog = bytes.fromhex(cfg["seccomp"])
+        buf = ctypes.create_string_buffer(prog, len(prog))
+        class Fprog(ctypes.Structure):
+            _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+        fprog = Fprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
+        if libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:   # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+            fail("seccomp filter not loaded: " + os.strerror(ctypes.get_errno()))
+    if not cfg["pid_ns"] and os.getppid() != cfg["parent"]:
+        os._exit(SETUP_EXIT)                 # the caller is gone already
+    argv = sys.orig_argv
+    src = argv[argv.index("-c") + 1]
+    os.execv(argv[0], [argv[0], *cfg["flags"], "-c", src, json.dumps({**cfg, "stage": 2})])
 
-# 2. a supervisor: the code runs in our child, in its own process group. We reap orphans (under bwrap we
-# are pid 1 of a new pid namespace) and end the group when the code exits, when the caller dies (the
-# lifeline pipe reads EOF) or at the deadline. Our exit status is the code's (signal N as 128 + N); the
-# CPU time and peak RSS of the code's tree go to the caller through the report pipe.
+if cfg["stage"] == 1:
+    stage1()
+import resource, select, shutil, signal, time
+
+# 2. the work dir (under bwrap: a size-capped tmpfs, the inputs copied in), then a supervisor: the code runs in
+# our child, in its own process group. We reap orphans (under bwrap we are pid 1 of a new pid namespace) and
+# end the group when the code exits, when the caller dies (the lifeline pipe reads EOF) or at the deadline.
+# Our exit status is the code's (signal N as 128 + N); the CPU time and peak RSS of the code's tree go to the
+# caller through the report pipe, after one byte that says the code was started.
+try:
+    if cfg["inputs"]:
+        shutil.copytree(cfg["inputs"], cfg["workdir"], dirs_exist_ok=True)
+    os.chdir(cfg["workdir"])
+except OSError as e:
+    fail("cannot prepare the work dir: %s" % e)
 lifeline, report, supervisor = cfg["lifeline"], cfg["report"], os.getpid()
+os.write(report, b"S")
 main_pid = os.fork()
 if main_pid:
     pidfd, deadline, status = os.pidfd_open(main_pid), time.monotonic() + cfg["deadline_s"], None
@@ -83,7 +115,12 @@ if main_pid:
              os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 os.close(lifeline), os.close(report)
 os.setpgid(0, 0)
-libc.prctl(1, signal.SIGKILL, 0, 0, 0)       # PR_SET_PDEATHSIG: the code dies with its supervisor
+if not cfg["pid_ns"]:                        # without a pid namespace: die with the supervisor (needs ctypes)
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)   # PR_SET_PDEATHSIG
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
+    del ctypes
 if os.getppid() != supervisor:
     os._exit(SETUP_EXIT)
 
@@ -96,10 +133,6 @@ for name, soft, hard in cfg["rlimits"]:
         resource.setrlimit(kind, (soft, hard))
     except (OSError, ValueError) as e:
         fail("setrlimit %s: %s" % (name, e))
-try:
-    os.chdir(cfg["workdir"])
-except OSError as e:
-    fail("cannot enter the work dir: %s" % e)
 if cfg["mode"] == "exec":
     try:
         os.execvp(cfg["argv"][0], cfg["argv"])
@@ -107,74 +140,103 @@ if cfg["mode"] == "exec":
         os.write(2, ("sandbox: cannot run %r: %s\n" % (cfg["argv"][0], e)).encode())
         os._exit(127)
 
-# 4. Python code: the gate (a second line of defence), then the code
+# 4. Python code: the gate (a courtesy, assumed bypassed: the kernel is the boundary), then the code
 import builtins, sysconfig, traceback
 sys.stdout.reconfigure(line_buffering=True)  # what was printed before a kill survives
-path, me = cfg["main"], globals()
+path = os.path.join(cfg["workdir"], "main.py")
 with open(path, encoding="utf-8") as fh:
     src = fh.read()
 sys.argv = [path]
 sys.path.insert(0, cfg["workdir"])
 ns = {"__name__": "__main__", "__file__": path, "__builtins__": builtins}
-trusted = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, *(
-    sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")))})
-allowed = None if cfg["allow_imports"] is None else frozenset(cfg["allow_imports"])
-root = os.path.realpath(cfg["workdir"])
 
-def untrusted(frame):
-    # the first frame outside the import machinery decides: the stdlib, site-packages and our own gated
-    # import (already vetted) may import what they need; the program, its modules and its exec()s may not
-    while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
-        frame = frame.f_back
-    if frame is None or frame.f_globals is me:
-        return False
-    name = frame.f_code.co_filename
-    return not (name.startswith("<frozen ") or os.path.realpath(name).startswith(trusted))
+def install_gate(allowed, root, me):
+    # the gate's state lives in this closure, not in module globals a frame trick could rewrite
+    trusted = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, *(
+        sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")))})
+    writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    path_events = frozenset({"os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.chmod", "os.chown", "os.link",
+                             "os.symlink", "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move"})
+    denied = frozenset({"socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo",
+                        "socket.gethostbyname", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn",
+                        "os.spawn", "os.fork", "os.forkpty", "os.kill", "os.killpg", "pty.spawn", "webbrowser.open",
+                        "sys._getframe", "sys._current_frames"})
+    frame_attrs = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
+    real_import, frozen = builtins.__import__, "<frozen "
 
-def check_import(name, frame):
-    if allowed is not None and name.partition(".")[0] not in allowed and untrusted(frame):
-        raise ImportError("sandbox gate: import of %r is not allowed (allow_imports)" % name, name=name)
+    def untrusted(frame):
+        # the first frame outside the import machinery decides: the stdlib, site-packages and our own gated
+        # import (already vetted) may do what they need; the program, its modules and its exec()s may not
+        while frame is not None and frame.f_code.co_filename.startswith("<frozen importlib"):
+            frame = frame.f_back
+        if frame is None or frame.f_globals is me:
+            return False
+        name = frame.f_code.co_filename
+        return not (name.startswith(frozen) or os.path.realpath(name).startswith(trusted))
 
-real_import = builtins.__import__
+    def deny(what):
+        raise PermissionError("sandbox gate: " + what + " is not allowed")
 
-def gated_import(name, globals=None, locals=None, fromlist=(), level=0):
-    if level == 0:
-        check_import(name, sys._getframe(1))
-    return real_import(name, globals, locals, fromlist, level)
+    def check_import(name, frame):
+        if allowed is not None and name.partition(".")[0] not in allowed and untrusted(frame):
+            raise ImportError("sandbox gate: import of %r is not allowed (allow_imports)" % name, name=name)
 
-def inside(p):
-    if p is None or isinstance(p, int):
-        return True
-    p = os.path.realpath(os.fsdecode(p))
-    return p == root or p.startswith(root + os.sep) or p == "/dev/null"
+    def gated_import(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0:
+            check_import(name, sys._getframe(1))
+        return real_import(name, globals, locals, fromlist, level)
 
-WRITES = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-PATH_EVENTS = {"os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.chmod", "os.chown", "os.link", "os.symlink",
-               "os.truncate", "os.utime", "shutil.rmtree", "shutil.copyfile", "shutil.move"}
-DENIED = {"socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.getaddrinfo",
-          "socket.gethostbyname", "subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn",
-          "os.fork", "os.forkpty", "os.kill", "os.killpg", "pty.spawn", "webbrowser.open"}
+    def inside(p):
+        if p is None or isinstance(p, int):
+            return True
+        p = os.path.realpath(os.fsdecode(p))
+        return p == root or p.startswith(root + os.sep) or p == "/dev/null"
 
-def deny(what):
-    raise PermissionError("sandbox gate: " + what + " is not allowed")
+    def check(event, args, caller):
+        if event == "open":
+            file, mode, flags = args
+            if ((isinstance(mode, str) and any(c in mode for c in "wax+")) or flags & writes) and not inside(file):
+                deny("writing %r (only the work dir is writable)" % (file,))
+        elif event in path_events:
+            bad = [a for a in args if isinstance(a, (str, bytes, os.PathLike)) and not inside(a)]
+            if bad:
+                deny("%s on %r (outside the work dir)" % (event, bad[0]))
+        elif event == "object.__getattr__":
+            if args[1] in frame_attrs and untrusted(caller):
+                deny("reading %s (frames lead to the launcher)" % args[1])
+        elif event in denied:
+            if not event.startswith("sys.") or untrusted(caller):
+                deny(event)
+        elif event.startswith("ctypes."):
+            deny(event)
+        elif event == "import":
+            check_import(args[0], caller)
 
-def hook(event, args):
-    if event == "open":
-        file, mode, flags = args
-        if ((isinstance(mode, str) and any(c in mode for c in "wax+")) or flags & WRITES) and not inside(file):
-            deny("writing %r (only the work dir is writable)" % (file,))
-    elif event in PATH_EVENTS:
-        bad = [a for a in args if isinstance(a, (str, bytes, os.PathLike)) and not inside(a)]
-        if bad:
-            deny("%s on %r (outside the work dir)" % (event, bad[0]))
-    elif event in DENIED or event.startswith("ctypes."):
-        deny(event)
-    elif event == "import":
-        check_import(args[0], sys._getframe(1))
+    busy = [False]
+
+    def hook(event, args):
+        if busy[0]:                          # our own checks raise events too (sys._getframe, tb_frame)
+            return
+        busy[0] = True
+        try:
+            check(event, args, sys._getframe(1))   # the frame that raised the event
+        finally:
+            busy[0] = False
+
+    def no_special_files(real):
+        def make(p, *args, **kwargs):    # os.mkfifo and os.mknod raise no audit event
+            if not inside(p if isinstance(p, (str, bytes, os.PathLike)) else None) or kwargs.get("dir_fd") is not None:
+                deny("%s on %r (outside the work dir)" % (real.__name__, p))
+            return real(p, *args, **kwargs)
+        return make
+
+    os.mkfifo, os.mknod = no_special_files(os.mkfifo), no_special_files(os.mknod)
+    builtins.__import__ = gated_import
+    sys.addaudithook(hook)
 
 def report(exc, code):
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_globals is me:
+    while tb is not None and tb.tb_frame.f_globals is globals():
         tb = tb.tb_next                      # drop the launcher's own frame
     try:
         sys.stdout.flush()
@@ -188,8 +250,9 @@ try:
 except (SyntaxError, ValueError) as e:
     report(e, 1)
 if cfg["gate"]:
-    builtins.__import__ = gated_import
-    sys.addaudithook(hook)
+    install_gate(None if cfg["allow_imports"] is None else frozenset(cfg["allow_imports"]),
+                 os.path.realpath(cfg["workdir"]), globals())
+del cfg, src
 try:
     exec(code, ns)
 except SystemExit:
@@ -225,6 +288,7 @@ class _Raw:
     timed_out: bool
     out: _Capture
     err: _Capture
+    started: bool = True        # the launcher reported that the code was started (else nothing of it ran)
 
 
 def _marked_pids(token: str) -> list[int]:
@@ -284,7 +348,7 @@ def _pump(sel: selectors.BaseSelector, pending: list, timeout: float) -> None:
                 done = not pending[0]
             else:
                 data = os.read(key.fd, 65536)
-                key.data.add(data)
+                key.data.add(data) if isinstance(key.data, _Capture) else key.data.extend(data)
                 done = not data
         except BlockingIOError:
             continue
@@ -298,7 +362,7 @@ def _pump(sel: selectors.BaseSelector, pending: list, timeout: float) -> None:
 def _drain(sel: selectors.BaseSelector, pending: list, seconds: float) -> bool:
     """Read what is left in the output pipes for up to `seconds`; True once they are all at EOF."""
     until = time.monotonic() + seconds
-    while any(isinstance(k.data, _Capture) for k in sel.get_map().values()):
+    while any(isinstance(k.data, (_Capture, bytearray)) for k in sel.get_map().values()):
         if (left := until - time.monotonic()) <= 0:
             return False
         _pump(sel, pending, min(left, 0.05))
@@ -313,14 +377,16 @@ def _exited(pid: int) -> bool:
         return True
 
 
-def _read_report(fd: int) -> tuple[float, float] | None:
-    """(CPU s, peak RSS MiB) of the code's tree as the supervisor wrote it, if it did."""
+def _parse_report(data: bytes) -> tuple[float, float] | None:
+    """(CPU s, peak RSS MiB) of the code's tree from the report pipe (a start byte, then JSON), if written."""
     try:
-        os.set_blocking(fd, False)
-        rep = json.loads(os.read(fd, 4096))
+        rep = json.loads(data[1:])
         return float(rep["cpu_s"]), rep["max_rss_kb"] / 1024
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
+
+
+START_TIMEOUT_S = 30.0  # the launcher must have started the code by then, or the run is reported as not started
 
 
 def _execute(argv: list[str], env: dict[str, str], cwd: str, stdin: bytes, timeout_s: float, max_output: int,
@@ -328,21 +394,22 @@ def _execute(argv: list[str], env: dict[str, str], cwd: str, stdin: bytes, timeo
     """Start `argv` in a new session, feed stdin, capture output up to the cap, kill everything at the timeout.
 
     `lifeline` is the read end of a pipe whose write end the caller keeps: the child's supervisor ends the
-    run when it reads EOF, i.e. when this process dies. The supervisor writes its usage to `report[1]`."""
+    run when it reads EOF, i.e. when this process dies. The supervisor writes one byte to `report[1]` when it
+    starts the code (the wall clock starts then) and its usage when the code ends."""
     (in_r, in_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
     t0 = time.monotonic()
     try:
         proc = subprocess.Popen(argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, cwd=cwd,
                                 start_new_session=True, close_fds=True, pass_fds=(lifeline, report[1]))
     except BaseException:
-        for fd in (in_w, out_r, err_r):
+        for fd in (in_w, out_r, err_r, report[0]):
             os.close(fd)
         raise
     finally:
         for fd in (in_r, out_w, err_w, lifeline, report[1]):  # the child's ends
             os.close(fd)
-    out, err, sel = _Capture(max_output), _Capture(max_output), selectors.DefaultSelector()
-    for fd, role in ((in_w, "stdin"), (out_r, out), (err_r, err)):
+    out, err, rep, sel = _Capture(max_output), _Capture(max_output), bytearray(), selectors.DefaultSelector()
+    for fd, role in ((in_w, "stdin"), (out_r, out), (err_r, err), (report[0], rep)):
         os.set_blocking(fd, False)
         if role == "stdin" and not stdin:
             os.close(fd)
@@ -350,10 +417,13 @@ def _execute(argv: list[str], env: dict[str, str], cwd: str, stdin: bytes, timeo
             sel.register(fd, selectors.EVENT_WRITE if role == "stdin" else selectors.EVENT_READ, role)
     pidfd = os.pidfd_open(proc.pid)
     sel.register(pidfd, selectors.EVENT_READ, "exit")
-    timed_out, pending, usage = False, [memoryview(stdin)], (0.0, 0.0)
+    timed_out, pending, usage, started = False, [memoryview(stdin)], (0.0, 0.0), None
     try:
         while not _exited(proc.pid):
-            if (left := t0 + timeout_s - time.monotonic()) <= 0:
+            if started is None and rep:
+                started = t0 = time.monotonic()
+            limit = timeout_s if started else START_TIMEOUT_S
+            if (left := t0 + limit - time.monotonic()) <= 0:
                 timed_out, usage = True, _tree_usage(token)
                 _kill_group(proc.pid)
                 _sweep(token)  # bwrap's monitor cannot signal the sandbox's processes, we can
@@ -373,4 +443,5 @@ def _execute(argv: list[str], env: dict[str, str], cwd: str, stdin: bytes, timeo
         _kill_group(proc.pid)
         _sweep(token)
     proc.returncode = os.waitstatus_to_exitcode(wait_status)
-    return _Raw(wait_status, (None if timed_out else _read_report(report[0])) or usage, wall, timed_out, out, err)
+    return _Raw(wait_status, (None if timed_out else _parse_report(bytes(rep))) or usage, wall, timed_out, out, err,
+                bool(rep))
