@@ -301,7 +301,10 @@ def test_bad_input(syn):
 
 # ---- the trace model on core.nn reproduces spec_md's own pre-move TinyMoE ------------------------------------------
 # tests/fixtures/spec_md_tinymoe_ref.npz was recorded with the TinyMoE / train_tiny_moe this module defined before it
-# moved onto kimi_papers.core.nn (the same seeds and inputs as below); it holds SHA-256s of the weights and the outputs.
+# moved onto kimi_papers.core.nn (the same seeds and inputs as below); it holds SHA-256s of the weights, per-tensor sums
+# and abs-sums of the initial and trained weights (the initial ones added later, on a machine where the SHA matched),
+# and the outputs. Float results differ in the last bits across CPU models, so the committed values are compared with
+# tolerances; bit-exactness is checked only between two runs in this process.
 REF = Path(__file__).parent / "fixtures" / "spec_md_tinymoe_ref.npz"
 
 
@@ -315,10 +318,19 @@ def ref():
         return {k: z[k] for k in z.files}
 
 
+def _sums(model) -> tuple[list[float], list[float]]:
+    sd = model.state_dict()
+    return [v.double().sum().item() for v in sd.values()], [v.double().abs().sum().item() for v in sd.values()]
+
+
 def test_trace_model_reproduces_pre_move_tinymoe(ref):
     torch.manual_seed(0)
     model = trace_model().eval()
-    assert _state_sha(model) == str(ref["init_sha"])                      # bit-identical initial weights
+    torch.manual_seed(0)
+    assert _state_sha(model) == _state_sha(trace_model())                 # bit-identical twice on this machine
+    sums, abs_sums = _sums(model)                                         # and the pre-move weights within rounding
+    np.testing.assert_allclose(sums, ref["init_sums"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(abs_sums, ref["init_abs_sums"], rtol=1e-6)
     ids = torch.from_numpy(ref["ids"].astype(np.int64))
     with torch.no_grad():
         logits, caps = model(ids, capture=True)
@@ -332,18 +344,19 @@ def test_trace_model_reproduces_pre_move_tinymoe(ref):
     np.testing.assert_allclose(caps[0].routing.probs.numpy(), ref["router_probs_l0"], rtol=0, atol=1e-7)
     tr = record_traces(model, ref["prompts"], 5, seed=0)                   # prefill + 5 sampled decode passes
     assert np.array_equal(tr.counts, ref["counts"]) and np.array_equal(tr.la_idx, ref["la_idx"])
-    assert np.array_equal(tr.la_prob, ref["la_prob"])
+    np.testing.assert_allclose(tr.la_prob.astype(np.float32), ref["la_prob"].astype(np.float32), rtol=0, atol=2e-3)
 
 
 def test_train_tiny_moe_reproduces_pre_move_training(ref):
     text = stdlib_corpus(200_000).train
     cfg = trace_model_config(n_layers=3, n_experts=8, top_k=2, d_model=64, d_expert=32, n_heads=4, max_len=128)
     model, log = train_tiny_moe(cfg, text, steps=3, batch=2, seq_len=32, warmup=2, seed=0, log_every=1)
-    sd = model.state_dict()
-    np.testing.assert_allclose([v.double().sum().item() for v in sd.values()], ref["trained_sums"], rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose([v.double().abs().sum().item() for v in sd.values()], ref["trained_abs_sums"], rtol=1e-6)
-    assert [r["ce"] for r in log] == list(ref["trained_ce"])
-    assert _state_sha(model) == str(ref["trained_sha"])                   # and, on this CPU, to the bit
+    again, _ = train_tiny_moe(cfg, text, steps=3, batch=2, seq_len=32, warmup=2, seed=0, log_every=1)
+    assert _state_sha(model) == _state_sha(again)                         # bit-exact twice on this machine
+    sums, abs_sums = _sums(model)                                         # the pre-move training within rounding
+    np.testing.assert_allclose(sums, ref["trained_sums"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(abs_sums, ref["trained_abs_sums"], rtol=1e-6)
+    np.testing.assert_allclose([r["ce"] for r in log], ref["trained_ce"], rtol=1e-5)
 
 
 def test_committed_traces_start_as_this_code_trains_them():
@@ -352,4 +365,5 @@ def test_committed_traces_start_as_this_code_trains_them():
     assert tr.meta["config"].items() <= asdict(trace_model_config()).items()
     corpus = stdlib_corpus()
     _, log = train_tiny_moe(trace_model_config(), corpus.train, steps=1, batch=8, seq_len=256, seed=0, log_every=1)
-    assert log[0]["ce"] == tr.meta["train_log"][0]["ce"] and log[0]["load_balance"] == tr.meta["train_log"][0]["load_balance"]
+    assert log[0]["ce"] == pytest.approx(tr.meta["train_log"][0]["ce"], rel=1e-5)   # recorded on another CPU
+    assert log[0]["load_balance"] == pytest.approx(tr.meta["train_log"][0]["load_balance"], rel=1e-5)
