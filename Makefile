@@ -46,7 +46,7 @@ run: $(STAMP)  ## the main job: every notebook headlessly (smoke by default), th
 	@rc=0; $(BIN)/kimi-papers run --profile $(PROFILE) --jobs $(JOBS) || rc=$$?; \
 	if [ $$rc -ge 128 ]; then exit $$rc; fi; \
 	$(BIN)/python CI/build_docs.py --out _docs || rc=$$?; \
-	$(BIN)/kimi-papers board --results runs/latest/results --html runs/board.html || rc=$$?; \
+	$(BIN)/kimi-papers board --results runs/latest/results --html runs/board.html --quiet || rc=$$?; \
 	exit $$rc
 
 full: $(STAMP)  ## one paper with the full profile, recorded: make full SLUG=spec_md

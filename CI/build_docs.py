@@ -375,7 +375,9 @@ def board_page(results_dir: Path | None, links: dict[str, str] | None = None) ->
     if got is None:
         body = "*No results recorded yet: run a notebook with `kimi-papers run SLUG --record`.*"
     else:
-        body = "\n".join(["```{raw} html", got.html_tables(links), got.figure_html(), "```"])
+        # the chart and the per-paper summary first, then every row
+        body = "\n".join(["```{raw} html", got.figure_html(), "```", "", "## Per paper", "", got.summary_markdown(), "",
+                           "## Every row", "", "```{raw} html", got.html_tables(links), "```"])
     return template.replace("<!-- BOARD -->", body)
 
 

@@ -205,11 +205,43 @@ class Board:
 
     def to_html(self, links: dict[str, str] | None = None, full: bool = True) -> str:
         """The board as HTML; `full=True` gives a standalone offline page (plotly.js inlined)."""
-        body = f"{self.html_tables(links)}{self.figure_html(include_plotlyjs=full)}"
+        smoke = sorted(set(self.claims.profile) - {"full"}) if len(self.claims) else []
+        banner = (f'<p class="kimi-smoke"><b>Profile {_html.escape(", ".join(smoke))}:</b> these runs check that the notebooks '
+                  'run; their statuses are not verdicts. The recorded verdicts are on the reproduction board.</p>') if smoke else ""
+        body = f"{banner}{self.figure_html(include_plotlyjs=full)}{self.html_tables(links)}"  # the chart first, then the tables
         if not full:
             return body
         return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>kimi_papers — reproduction board</title></head>'
                 f'<body style="font-family: sans-serif; max-width: 1100px; margin: auto"><h1>Reproduction board</h1>{body}</body></html>')
+
+    def per_paper(self) -> "pd.DataFrame":
+        """One row per paper: its claims by status, then its controls / preconditions and mechanics that hold out of all."""
+        import pandas as pd
+        papers = sorted(set(self.claims.paper) | set(self.checks.paper) | set(self.mechanics.paper))
+        rows = []
+        for p in papers:
+            c, k, m = (df[df.paper == p] for df in (self.claims, self.checks, self.mechanics))
+            row = {"paper": p, **{s: int((c.status == s).sum()) for s in ("reproduced", "not reproduced", "inconclusive")}}
+            row["controls & preconditions held"] = f"{int((k.status == 'holds').sum())}/{len(k)}"
+            row["mechanics held"] = f"{int((m.status == 'holds').sum())}/{len(m)}"
+            row["profile"] = ", ".join(sorted(set(c.profile) | set(k.profile) | set(m.profile)))
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def summary_markdown(self, links: dict[str, str] | None = None) -> str:
+        """The per-paper summary as a Markdown table (the README's board; the full board lives on the site)."""
+        df = self.per_paper()
+        if df.empty:
+            return "No results recorded yet.\n"
+        cols = list(df.columns)
+        out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in df.itertuples(index=False):
+            cells = [f"[{r[0]}]({links[r[0]]})" if links and r[0] in links else str(r[0])] + [str(x) for x in r[1:]]
+            out.append("| " + " | ".join(cells) + " |")
+        t = df[["reproduced", "not reproduced", "inconclusive"]].sum()
+        out += ["", f"**{int(t.sum())} paper claims:** {int(t['reproduced'])} reproduced, {int(t['not reproduced'])} not reproduced, "
+                f"{int(t['inconclusive'])} inconclusive (controls, preconditions and mechanics are never counted as claims)."]
+        return "\n".join(out) + "\n"
 
     def _repr_html_(self) -> str:
         return self.html_tables() or "<i>no results recorded</i>"

@@ -25,15 +25,16 @@ from .board import board
 from .io import atomic_write
 from .ledger import adopt, atomic_write_text, load_results, role_of
 from .runner import PAPER_FOLDERS, Parameter, RunResult, Stopper, Workbook, alive, check_params
-from .runner import failed_cell, kill_tree, mark_incomplete, notebook_parameters, papermill_warnings
+from .runner import failed_cell, kill_tree, mark_incomplete, notebook_parameters, papermill_warnings, profile_table
 from .runner import process_tree, run_env, run_notebook, select, workbooks
 
 # %% auto #0
 __all__ = ['parse_value', 'parse_param', 'parse_params', 'point_latest', 'write_manifest', 'last_runs', 'RunInterrupted',
-           'interrupted_line', 'run_many', 'adopt_executed', 'summary', 'cmd_list', 'run_board', 'cmd_run', 'cmd_board',
-           'parser', 'main', 'PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'Parameter', 'notebook_parameters',
-           'check_params', 'RunResult', 'failed_cell', 'papermill_warnings', 'mark_incomplete', 'run_env',
-           'run_notebook', 'process_tree', 'alive', 'kill_tree', 'Stopper']
+           'interrupted_line', 'run_many', 'adopt_executed', 'summary', 'cmd_list', 'run_board', 'run_report',
+           'closing_line', 'cmd_run', 'params_table', 'cmd_params', 'cmd_board', 'parser', 'main', 'PAPER_FOLDERS',
+           'Workbook', 'workbooks', 'select', 'Parameter', 'notebook_parameters', 'check_params', 'RunResult',
+           'failed_cell', 'papermill_warnings', 'mark_incomplete', 'run_env', 'run_notebook', 'process_tree', 'alive',
+           'kill_tree', 'Stopper']
 
 # %% ../../nbs/core/run.ipynb #1c7e9a52
 _all_ = ["PAPER_FOLDERS", "Workbook", "workbooks", "select", "Parameter", "notebook_parameters", "check_params",
@@ -274,8 +275,50 @@ def run_board(results: Path, slugs: Sequence[str] | None = None):
         return b
     keep = {_paper_of(s) for s in slugs}
     part = {k: getattr(b, k)[getattr(b, k).paper.isin(keep)].reset_index(drop=True)
-            for k in ("claims", "mechanics", "substrate", "table")}
+            for k in ("claims", "checks", "mechanics", "substrate", "table")}
     return dataclasses.replace(b, **part)
+
+
+def _count_line(df: "pd.DataFrame") -> str:
+    """'2 reproduced · 1 not reproduced · 5 inconclusive' for the claim rows of `df` ('-' when there are none)."""
+    if df is None or not len(df):
+        return "-"
+    counts = df.status.value_counts()
+    return " · ".join(f"{int(counts[s])} {s}" for s in ("reproduced", "not reproduced", "inconclusive") if s in counts) or "-"
+
+
+def run_report(b, recorded, profile: str, width: int | None = None) -> str:
+    """The end of a run for a person: per paper (or per claim for a few papers) this run's claims beside the recorded ones."""
+    width = width or shutil.get_terminal_size((120, 24)).columns
+    claims = b.claims
+    if claims.empty:
+        return ""
+    rec = recorded.claims if recorded is not None and not recorded.empty else claims.iloc[0:0]
+    label = "smoke (checks that the notebooks run; not verdicts)" if profile != "full" else profile
+    out = [f"claims of this run, {label}; beside them the recorded verdicts (data/results, full profile):"]
+    papers = list(dict.fromkeys(claims.paper))
+    if len(papers) > 3:
+        for paper in papers:
+            line = f"  {paper:<24} {profile}: {_count_line(claims[claims.paper == paper])}  | recorded: {_count_line(rec[rec.paper == paper])}"
+            out.append(line[:width])
+        return "\n".join(out)
+    recorded_status = {(r.paper, r.claim): r.status for r in rec.itertuples()}
+    for r in claims.itertuples():
+        right = f"  {r.ours}  {profile}: {r.status}  | recorded: {recorded_status.get((r.paper, r.claim), '-')}"
+        left = f"  {r.paper}/{r.claim}: {r.statement}"
+        room = max(20, width - len(right))
+        out.append((left if len(left) <= room else left[: room - 1] + "…") + right)
+    return "\n".join(out)
+
+
+def closing_line(results: Sequence[RunResult], b, profile: str, where: Path) -> str:
+    """One line that ends a run: notebooks ok / failed, claims by status (marked as smoke), where the outputs are."""
+    ok = sum(r.ok for r in results)
+    secs = sum(r.seconds for r in results)
+    kind = "smoke claims, not verdicts" if profile != "full" else "claims"
+    claims = _count_line(b.claims) if not b.empty else "none recorded"
+    return (f"kimi-papers: {ok} notebook(s) ok, {len(results) - ok} failed ({secs:.0f} s of notebook time); "
+            f"{kind}: {claims}; outputs: {where}")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -291,13 +334,39 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"executed notebooks: {run_dir}")
     folder = ledger_dir() if args.record else run_dir / "results"
     b = run_board(folder, [r.slug for r in results] if args.record else None)
-    print(f"\nclaims of this run ({folder}):" if not b.empty else f"\nthis run recorded no claims ({folder})")
-    if not b.empty:
-        print(b.to_text())
+    recorded = None if args.record else run_board(ledger_dir(), [r.slug for r in results])
+    print("\n" + (run_report(b, recorded, profile) or f"this run recorded no claims ({folder})"))
     failed = [r for r in results if not r.ok]
     for r in failed:
         print(f"kimi-papers: error: {r.slug} failed at {r.error}", file=sys.stderr)
+    print(closing_line(results, b, profile, run_dir))
     return 1 if failed else 0
+
+
+def params_table(book: Workbook) -> str:
+    """The parameters cell of `book` as a table: name, default, kind, the profile table's values, help."""
+    declared = notebook_parameters(book.path)
+    if not declared:
+        return f"{book.slug} has no cell tagged 'parameters'"
+    table = profile_table(book.path)
+    profiles = list(table)
+    head = ["name", "default", "kind"] + [f"{p} profile" for p in profiles] + ["help"]
+    rows = []
+    for name, p in declared.items():
+        like = p.like
+        if like is None and p.default.strip() == "None":
+            like = next((row[name] for row in table.values() if row.get(name) is not None), None)
+        kind = type(like).__name__ if like is not None else "any"
+        rows.append([name, p.default, kind] + [repr(table[pr].get(name, "")) if name in table[pr] else "" for pr in profiles]
+                    + [p.help])
+    widths = [min(28, max(len(str(x)) for x in col)) for col in zip(head, *rows)]
+    fmt = lambda r: "  ".join(str(x)[:w].ljust(w) for x, w in zip(r[:-1], widths[:-1])) + "  " + str(r[-1])
+    return "\n".join([fmt(head)] + [fmt(r) for r in rows])
+
+
+def cmd_params(args: argparse.Namespace) -> int:
+    print(params_table(select([args.slug])[0]))
+    return 0
 
 
 def cmd_board(args: argparse.Namespace) -> int:
@@ -305,7 +374,8 @@ def cmd_board(args: argparse.Namespace) -> int:
     if args.results and not folder.is_dir():
         raise ValueError(f"--results {folder}: no such folder (a run's results are in runs/<timestamp>/results)")
     b = board(folder)
-    print(b.to_text() if not b.empty else f"no results in {folder}")
+    if not args.quiet:
+        print(b.to_text() if not b.empty else f"no results in {folder}")
     if args.html:
         html = Path(args.html)
         html.parent.mkdir(parents=True, exist_ok=True)
@@ -316,8 +386,13 @@ def cmd_board(args: argparse.Namespace) -> int:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kimi-papers", description="Run and inspect the kimi_papers research workbooks.")
+    from kimi_papers import __version__
+    p.add_argument("--version", action="version", version=f"kimi-papers {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("list", help="the workbooks, their last smoke run and their recorded full status").set_defaults(fn=cmd_list)
+    pp = sub.add_parser("params", help="a workbook's parameters: defaults, kinds, per-profile values and help")
+    pp.add_argument("slug", help="a paper slug (e.g. spec_md) or core.<name>")
+    pp.set_defaults(fn=cmd_params)
     r = sub.add_parser("run", help="execute workbooks headlessly with papermill")
     r.add_argument("slugs", nargs="*", help="paper slugs (e.g. spec_md) or core.<name>; none = all")
     r.add_argument("--profile", help="smoke (default) or full")
@@ -329,6 +404,7 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("board", help="the reproduction board of a results folder (default: the recorded data/results/)")
     b.add_argument("--results", metavar="DIR", help="a results folder, e.g. runs/latest/results (default: data/results)")
     b.add_argument("--html", metavar="PATH", help="also write the board as a standalone offline HTML page")
+    b.add_argument("--quiet", action="store_true", help="print no table (with --html: only write the page)")
     b.set_defaults(fn=cmd_board)
     return p
 
