@@ -458,11 +458,20 @@ def _jsonable(v: Any) -> Any:
     return str(v)
 
 
+def _lock_path(path: Path) -> Path:
+    """The lock file of one results file: in the temp dir, keyed by the resolved path, so results folders hold only results."""
+    import hashlib
+    key = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:24]
+    d = Path(tempfile.gettempdir()) / "kimi_papers_locks"
+    d.mkdir(mode=0o1777, exist_ok=True)
+    return d / f"{key}.lock"
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """An exclusive advisory lock on `path.lock` for the read-modify-write of one results file."""
+    """An exclusive advisory lock for the read-modify-write of one results file (the lock file lives in the temp dir)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(path.suffix + ".lock"), "w") as fh:
+    with open(_lock_path(path), "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
