@@ -65,12 +65,14 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 lab: $(STAMP)  ## JupyterLab on the notebooks (results of a notebook run there go to runs/results/)
 	$(BIN)/jupyter lab --notebook-dir=nbs $(ALLOW_ROOT)
 
-export: $(STAMP)  ## notebooks -> library, strip notebook metadata, README from nbs/index.ipynb
+export: $(STAMP)  ## notebooks -> library, strip notebook metadata (no injected parameters, a kernelspec), README from nbs/index.ipynb
 	cd nbs && ../$(BIN)/nbdev-export && ../$(BIN)/nbdev-clean
+	$(BIN)/python CI/normalize_notebooks.py > /dev/null
 	$(BIN)/python CI/sync_readme.py
 
 check-sync: $(STAMP)  ## fail if the library, the notebooks or README are out of sync
 	cd nbs && ../$(BIN)/nbdev-export && ../$(BIN)/nbdev-clean
+	$(BIN)/python CI/normalize_notebooks.py > /dev/null
 	$(BIN)/python CI/sync_readme.py
 	git diff --exit-code -- kimi_papers nbs README.md
 

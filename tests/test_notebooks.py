@@ -39,3 +39,11 @@ def test_every_paper_notebook_exports_its_module():
         text = b.path.read_text()
         assert f"default_exp {b.folder}.{b.slug}" in text, b.slug
         assert (ROOT / "kimi_papers" / b.folder / f"{b.slug}.py").is_file(), b.slug
+
+
+def test_committed_notebooks_open_as_a_reader_expects():
+    """No papermill-injected parameters cell (Run All in Lab would re-run the full profile), a python3 kernelspec."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, str(ROOT / "CI" / "normalize_notebooks.py"), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout

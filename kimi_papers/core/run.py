@@ -29,12 +29,12 @@ from .runner import failed_cell, kill_tree, mark_incomplete, notebook_parameters
 from .runner import process_tree, run_env, run_notebook, select, workbooks
 
 # %% auto #0
-__all__ = ['parse_value', 'parse_param', 'parse_params', 'point_latest', 'write_manifest', 'last_runs', 'RunInterrupted',
-           'interrupted_line', 'run_many', 'adopt_executed', 'summary', 'cmd_list', 'run_board', 'run_report',
-           'closing_line', 'cmd_run', 'params_table', 'cmd_params', 'cmd_board', 'parser', 'main', 'PAPER_FOLDERS',
-           'Workbook', 'workbooks', 'select', 'Parameter', 'notebook_parameters', 'check_params', 'RunResult',
-           'failed_cell', 'papermill_warnings', 'mark_incomplete', 'run_env', 'run_notebook', 'process_tree', 'alive',
-           'kill_tree', 'Stopper']
+__all__ = ['KERNELSPEC', 'parse_value', 'parse_param', 'parse_params', 'point_latest', 'write_manifest', 'last_runs',
+           'RunInterrupted', 'interrupted_line', 'run_many', 'for_readers', 'adopt_executed', 'summary', 'cmd_list',
+           'run_board', 'run_report', 'closing_line', 'cmd_run', 'params_table', 'cmd_params', 'cmd_board', 'parser',
+           'main', 'PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'Parameter', 'notebook_parameters',
+           'check_params', 'RunResult', 'failed_cell', 'papermill_warnings', 'mark_incomplete', 'run_env',
+           'run_notebook', 'process_tree', 'alive', 'kill_tree', 'Stopper']
 
 # %% ../../nbs/core/run.ipynb #1c7e9a52
 _all_ = ["PAPER_FOLDERS", "Workbook", "workbooks", "select", "Parameter", "notebook_parameters", "check_params",
@@ -220,13 +220,35 @@ def run_many(books: Sequence[Workbook], profile: str = "smoke", params: dict[str
     return out, run_dir
 
 
+KERNELSPEC = {"display_name": "Python 3", "language": "python", "name": "python3"}
+
+
+def for_readers(nb: dict) -> list[str]:
+    """Make a notebook dict open and re-run as a reader expects (in place); returns what changed.
+
+    Drops the parameters cell papermill injected (it follows the visible one, so Run All in Lab would re-run the
+    recorded profile) and sets the `python3` kernelspec (no "Select Kernel" dialog). Outputs are kept."""
+    changed = []
+    kept = [c for c in nb.get("cells", []) if "injected-parameters" not in c.get("metadata", {}).get("tags", [])]
+    if len(kept) != len(nb.get("cells", [])):
+        nb["cells"] = kept
+        changed.append("injected parameters cell removed")
+    if nb.setdefault("metadata", {}).get("kernelspec", {}).get("name") != "python3":
+        nb["metadata"]["kernelspec"] = dict(KERNELSPEC)
+        changed.append("kernelspec set")
+    return changed
+
+
 def adopt_executed(executed: Path, target: Path) -> None:
-    """Replace a committed notebook by its executed copy (atomically), cleaned the way nbdev-clean does."""
+    """Replace a committed notebook by its executed copy (atomically), cleaned as nbdev-clean does and made for readers."""
     from nbdev.clean import nbdev_clean
 
     def _write(tmp: Path) -> None:
         shutil.copyfile(executed, tmp)
         nbdev_clean(fname=str(tmp))
+        nb = json.loads(tmp.read_text())
+        if for_readers(nb):
+            tmp.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
     atomic_write(target, _write)
 
 
