@@ -12,7 +12,7 @@ from kimi_papers.core.rl import CountdownTask, Trainer, aggregate, get_advantage
 from kimi_papers.rl.entropy_discrepancy import (
     EDControl, EDScheduler, ScheduleConfig, bandit_ed, bandit_entropy_step_effect, bandit_theory, countdown_policy,
     entropy_bonus_from_logits, entropy_bonus_loss, entropy_bonus_reference, entropy_discrepancy, entropy_step,
-    make_control, measure_policy, random_bandits, run_entropy_schedule)
+    make_control, measure_policy, outcome_sides, random_bandits, run_entropy_schedule)
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -28,8 +28,9 @@ def reference_ed(surprisal_rows: list[list[float]], rewards: list[float], uid: l
     pos_all, neg_all, per_group = [], [], []
     for idx in groups.values():
         mean = sum(rewards[i] for i in idx) / len(idx)
-        pos = [score[i] for i in idx if rewards[i] > mean + 1e-6]
-        neg = [score[i] for i in idx if rewards[i] < mean - 1e-6]
+        tol = 1e-6 * max(abs(rewards[i]) for i in idx)  # relative to the group's rewards: the reward's unit does not matter
+        pos = [score[i] for i in idx if rewards[i] > mean + tol]
+        neg = [score[i] for i in idx if rewards[i] < mean - tol]
         if pos and neg:
             pos_all += pos
             neg_all += neg
@@ -58,6 +59,26 @@ def test_ed_matches_python_reference(pool, binary):
     lp[mask == 0] = -50.0  # off-mask values must not count
     got = entropy_discrepancy(lp, None, mask, torch.tensor(rewards, dtype=torch.float64), torch.tensor(uid), pool=pool)
     assert got == pytest.approx(reference_ed(sur, rewards, uid, pool), rel=1e-12)
+
+
+@pytest.mark.parametrize("scale", [1e-9, 1e-7, 1.0, 1e5])
+def test_ed_does_not_depend_on_the_reward_unit(scale):
+    """ED is the same whatever the reward's unit: an absolute 1e-6 tolerance made it NaN for rewards below ~1e-6."""
+    rng = random.Random(1)
+    rows, T = 16, 4
+    lp = -torch.tensor([[rng.uniform(0, 3) for _ in range(T)] for _ in range(rows)], dtype=torch.float64)
+    mask = torch.ones(rows, T, dtype=torch.long)
+    uid = torch.tensor([i // 4 for i in range(rows)])
+    for rewards in ([float(i % 2) for i in range(rows)], [round(rng.random(), 3) for _ in range(rows)]):
+        r = torch.tensor(rewards, dtype=torch.float64)
+        want = entropy_discrepancy(lp, None, mask, r, uid)
+        got = entropy_discrepancy(lp, None, mask, r * scale, uid)
+        assert math.isfinite(got) and got == pytest.approx(want, rel=1e-9)
+    # rounding-level differences stay on neither side at any scale
+    pos, neg = outcome_sides(torch.tensor([1.0, 1.0 + 2 ** -23]) * scale, torch.zeros(2))
+    assert not pos.any() and not neg.any()
+    with pytest.raises(ValueError, match="rtol"):
+        outcome_sides(torch.tensor([0.0, 1.0]), torch.zeros(2), rtol=1.5)
 
 
 def test_ed_nan_and_bad_input():

@@ -59,16 +59,20 @@ def response_scores(per_token: Tensor, mask: Tensor) -> Tensor:
     return x.sum(-1) / m.sum(-1).clamp(min=1).double()
 
 
-def outcome_sides(rewards: Tensor, uid: Tensor, tol: float = 1e-6) -> tuple[Tensor, Tensor]:
+def outcome_sides(rewards: Tensor, uid: Tensor, rtol: float = 1e-6) -> tuple[Tensor, Tensor]:
     """(positive, negative) row masks [rows] bool: reward above / below its group's mean.
 
     For rewards in {0, 1} this is r = 1 / r = 0 inside groups that hold both outcomes; for other rewards it is the
-    sign of the group-mean advantage (|A| <= tol, e.g. float32 rounding, is neither side). Groups with a single outcome
-    contribute to neither side."""
+    sign of the group-mean advantage A. |A| <= rtol * max|r| of the group (e.g. float32 rounding of equal rewards) is
+    neither side; the tolerance scales with the group's rewards, so the sides do not depend on the reward's unit.
+    Groups with a single outcome contribute to neither side."""
+    if not isinstance(rtol, (int, float)) or isinstance(rtol, bool) or not 0 <= rtol < 1:
+        raise ValueError(f"rtol={rtol!r}: expected a number in [0, 1) (relative to the group's largest |reward|)")
     r = check_rewards(rewards, uid)
     inv, cnt = group_index(uid)
     mean = torch.zeros(len(cnt), dtype=r.dtype, device=r.device).index_add_(0, inv, r) / cnt.to(r.dtype)
-    a = r - mean[inv]
+    scale = torch.zeros(len(cnt), dtype=r.dtype, device=r.device).scatter_reduce_(0, inv, r.abs(), "amax")
+    a, tol = r - mean[inv], rtol * scale[inv]
     return a > tol, a < -tol
 
 
