@@ -8,8 +8,8 @@ import torch
 from kimi_papers.core.kernels import compiled_ran
 from kimi_papers.rl.udm_grpo import (
     DigitReward, TinyUDM, UDMGRPOConfig, UniformPath, dequantize, group_adv, load_digit_tokens, make_train_pairs,
-    oscillation, quantize_digits, token_mean_logp, train_udm_grpo, udm_grpo_loss, udm_sample, udm_step,
-    udm_step_compiled, udm_step_reference, within_class_diversity)
+    noise_scaled_oscillation, oscillation, quantize_digits, reward_sampling_var, token_mean_logp, train_udm_grpo,
+    udm_grpo_loss, udm_sample, udm_step, udm_step_compiled, udm_step_reference, within_class_diversity)
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -240,6 +240,27 @@ def test_reward_classifier_and_short_run():
     h = run.history
     assert len(h) == 2 and h.loss.notna().all() and h.kl.iloc[0] == 0.0  # π = π_ref before the first step
     assert list(run.evals["update"]) == [0, 2]
+
+
+def test_oscillation_controls_for_the_reward_level():
+    """Pure sampling noise at two reward levels: the raw oscillation differs by the binomial noise alone (the confound
+    of comparing arms at 0.63 and 0.74), the noise-scaled one is ~1 at both."""
+    import numpy as np
+    rng = np.random.default_rng(1)
+    raw, scaled = {}, {}
+    for p in (0.63, 0.74):
+        r = rng.binomial(1, p, size=(3000, 10, 8)).astype(float)  # batches x prompts x group
+        curve = r.mean((1, 2))
+        noise = np.array([reward_sampling_var(torch.tensor(b.ravel()), 8) for b in r])
+        raw[p], scaled[p] = oscillation(curve), noise_scaled_oscillation(curve, noise)
+    assert raw[0.63] - raw[0.74] == pytest.approx(math.sqrt(2 * .63 * .37 / 80) - math.sqrt(2 * .74 * .26 / 80), abs=0.003)
+    assert raw[0.63] - raw[0.74] > 0.004 and abs(scaled[0.63] - scaled[0.74]) < 0.06
+    assert all(abs(v - 1) < 0.05 for v in scaled.values()), scaled
+    assert reward_sampling_var(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2) == pytest.approx(0.0625)  # (0.5 + 0) / 2 / 4
+    with pytest.raises(ValueError, match="noise_var"):
+        noise_scaled_oscillation([0.1, 0.2, 0.3], [0.1, 0.1])
+    with pytest.raises(ValueError, match="group"):
+        reward_sampling_var(torch.ones(4), 1)
 
 
 @gpu

@@ -29,7 +29,8 @@ __all__ = ['udm_step_compiled', 'BASE_CFG', 'UniformPath', 'quantize_digits', 'd
            'DigitReward', 'TinyUDM', 'guided_logits', 'udm_step_reference', 'udm_step', 'udm_sample', 'group_adv',
            'TrainPair', 'make_train_pairs', 'token_mean_logp', 'udm_grpo_loss', 'probe_kl', 'digit_batches',
            'udm_pretrain_loss', 'pretrain_udm', 'within_class_diversity', 'evaluate_udm', 'UDMGRPOConfig', 'UDMRun',
-           'train_udm_grpo', 'oscillation', 'base_fixture_path', 'pretrained_base']
+           'train_udm_grpo', 'oscillation', 'reward_sampling_var', 'noise_scaled_oscillation', 'base_fixture_path',
+           'pretrained_base']
 
 # %% ../../nbs/rl/udm_grpo.ipynb #de291af3
 def _uniform(shape: Sequence[int], gen: torch.Generator | None, device: torch.device) -> Tensor:
@@ -557,7 +558,8 @@ def train_udm_grpo(cfg: UDMGRPOConfig, base: TinyUDM, reward: DigitReward) -> UD
             ms.append(dict(m, loss=float(loss.detach())))
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip else float("inf"))
         opt.step()
-        rows.append(dict(update=u, reward=float(r.mean()), acc=float(correct.float().mean()), prob=float(prob.mean()),
+        rows.append(dict(update=u, reward=float(r.mean()), reward_noise_var=reward_sampling_var(r, cfg.group),
+                         acc=float(correct.float().mean()), prob=float(prob.mean()),
                          kl=float(np.mean([m["kl"] for m in ms])), kl_max=float(max(m["kl_max"] for m in ms)),
                          loss=float(np.mean([m["loss"] for m in ms])), grad_norm=float(gn), start=start,
                          frac_groups_tied=float((r.view(-1, cfg.group).std(1) == 0).float().mean()),
@@ -576,6 +578,28 @@ def oscillation(curve: Sequence[float]) -> float:
     if c.ndim != 1 or c.size < 3:
         raise ValueError(f"curve: expected a 1-D curve of >= 3 points, got shape {c.shape}")
     return float(np.diff(c).std(ddof=1))
+
+
+def reward_sampling_var(r: Tensor, group: int) -> float:
+    """Sampling variance of the batch-mean reward at the batch's own per-prompt rates: mean over prompts of the
+    within-group variance (ddof = 1, unbiased) / N, for r [prompts * group] ordered by prompt (N = r.numel())."""
+    check_int("group", group, 2)
+    if r.ndim != 1 or r.numel() % group:
+        raise ValueError(f"r: expected a 1-D tensor of prompts x group={group} rewards, got shape {tuple(r.shape)}")
+    return float(r.double().view(-1, group).var(1, unbiased=True).mean() / r.numel())
+
+
+def noise_scaled_oscillation(curve: Sequence[float], noise_var: Sequence[float]) -> float:
+    """Oscillation of a per-update reward curve in units of its own sampling noise: std (ddof = 1) of the first
+    difference over sqrt(mean of noise_var[t] + noise_var[t-1]) — about 1 (or less) when the batches differ only by
+    sampling noise at the run's own reward level, whatever that level is."""
+    c, v = np.asarray(curve, dtype=np.float64), np.asarray(noise_var, dtype=np.float64)
+    if c.ndim != 1 or c.size < 3 or v.shape != c.shape:
+        raise ValueError(f"curve, noise_var: expected two 1-D arrays of the same length >= 3, got {c.shape} and {v.shape}")
+    if not np.isfinite(v).all() or (v < 0).any():
+        raise ValueError("noise_var: expected finite variances >= 0")
+    expected = float(np.mean(v[1:] + v[:-1]))
+    return float(np.diff(c).std(ddof=1) / math.sqrt(expected)) if expected > 0 else math.nan
 
 # %% ../../nbs/rl/udm_grpo.ipynb #309a9e4f
 BASE_CFG = dict(K=4, d=64, layers=2, heads=4, pretrain_steps=300, batch=64, lr=3e-3, p_uncond=0.1, heldout=0.35, seed=0)
