@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from kimi_papers.architectures.latent_moe import (
-    ACTS, LatentMoE, LatentMoEConfig, StandardMoE, TinyMoELM, active_macs, cost_model, dense_width,
+    ACTS, LatentMoE, LatentMoEConfig, StandardMoE, TinyMoELM, active_macs, compiled_kernel_info, cost_model, dense_width,
     grouped_expert_forward, loop_expert_forward, match_m, n_params, route_topk, train_lm, val_windows)
 from kimi_papers.core.flops import measured_flops, model_cost, module_cost
-from kimi_papers.core.kernels import compiled_ran
 from kimi_papers.core.nn import MoE
 from kimi_papers.core.train import stdlib_corpus
 
@@ -100,8 +99,8 @@ def test_grouped_compiled_equals_loop():
     case = _case("relu2", seed=1)
     ref = _out_and_grads(loop_expert_forward, *case, "relu2")
     got = _out_and_grads(lambda *a: grouped_expert_forward(*a, compiled=True), *case, "relu2")
-    from kimi_papers.architectures.latent_moe import _grouped_compiled
-    assert compiled_ran(_grouped_compiled)
+    info = compiled_kernel_info()
+    assert info["calls"] > 0 and info["eager_runs"] == 0 and not info["errors"], info
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
@@ -152,6 +151,42 @@ def test_tiny_lm_trains_and_counts_flops():
         TinyMoELM(256, 32, 1, None)
     with pytest.raises(ValueError, match="moe_cfg.d"):
         TinyMoELM(256, 64, 1, cfg)
+
+
+def test_latent_path_output_scale_at_init():
+    """W_down ~ N(0, 1/d), W_up ~ N(0, 1/l): the latent layers' output std at init is within 2x of the standard MoE's
+    (PyTorch's default Linear init made ℓ-MoE_acc's output about 7x smaller: 0.12 vs 0.88)."""
+    acc = replace(LatentMoEConfig(128, 256, 8, 2, alpha=2), m_latent=222)
+    eff = LatentMoEConfig(128, 256, 8, 2, alpha=2, variant="eff")
+    x = torch.randn(4096, 128, generator=torch.Generator().manual_seed(0))
+    stds = {}
+    for name, cfg in (("std", STD), ("acc", acc), ("eff", eff)):
+        torch.manual_seed(0)
+        layer = LatentMoE(cfg)
+        with torch.no_grad():
+            stds[name] = float(layer(x).std())
+        if cfg.projected:
+            assert float(layer.down.weight.detach().std()) == pytest.approx(128 ** -0.5, rel=0.05)
+            assert float(layer.up.weight.detach().std()) == pytest.approx(64 ** -0.5, rel=0.05)
+    assert 0.5 < stds["acc"] / stds["std"] < 2 and 0.5 < stds["eff"] / stds["std"] < 2, stds
+
+
+@pytest.mark.slow
+def test_compiled_kernel_really_runs_through_training():
+    """Train/eval grad-mode flips and five arms' expert shapes: every compiled-kernel call runs compiled code (the first
+    full run hit dynamo's recompile limit with one shared wrapper and silently ran eagerly)."""
+    corpus = stdlib_corpus(200_000, max_val_bytes=20_000)
+    val = val_windows(corpus, 4, 16)
+    base = LatentMoEConfig(32, 32, 4, 2)
+    before = compiled_kernel_info()["calls"]
+    cfgs = [base] + [LatentMoEConfig(32, 32, 4, 2, alpha=a, variant=v) for a in (2, 4) for v in ("acc", "eff")]
+    for cfg in cfgs:   # 5 expert shapes x 2 grad modes: more than dynamo's recompile limit (8) for one shared wrapper
+        torch.manual_seed(0)
+        model = TinyMoELM(corpus.vocab, 32, 1, cfg, n_heads=2, max_len=16, kernel="compiled")
+        train_lm(model, corpus, 6, batch=2, seq_len=16, n_evals=3, val=val)   # 3 train / eval flips per arm
+    info = compiled_kernel_info()
+    assert info["calls"] - before >= 5 * (6 + 3) and info["eager_runs"] == 0 and not info["errors"], info
+    assert info["compiled_calls"] == info["calls"]
 
 
 @pytest.mark.gpu

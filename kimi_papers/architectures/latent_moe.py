@@ -17,16 +17,16 @@ from torch import Tensor
 
 from ..core.config import check_int
 from ..core.flops import Cost, linear_cost, mlp_cost, moe_cost, register_cost
-from ..core.kernels import compile_fn
+from ..core.kernels import compile_fn, compile_info
 from ..core.nn import MLP, CausalLM, LMConfig, Routing, load_balancing_loss, router_z_loss
 from ..core.nn import activation as expert_act  # core's activation: SwiGLU on a gate|up split, or ReLU²
 from ..core.train import Corpus, TrainResult, cosine_lr, lm_loss, train
 
 # %% auto #0
 __all__ = ['ACTS', 'VARIANTS', 'KERNELS', 'LatentMoEConfig', 'active_macs', 'match_m', 'dense_width', 'n_params', 'log_comb',
-           'cost_model', 'route_topk', 'loop_expert_forward', 'dispatch', 'grouped_expert_forward', 'LatentMoE',
-           'routing_stats', 'StandardMoE', 'latent_moe_cost', 'TinyMoELM', 'History', 'val_windows', 'evaluate',
-           'train_lm']
+           'cost_model', 'route_topk', 'loop_expert_forward', 'dispatch', 'compiled_kernel_info',
+           'grouped_expert_forward', 'LatentMoE', 'routing_stats', 'StandardMoE', 'latent_moe_cost', 'TinyMoELM',
+           'History', 'val_windows', 'evaluate', 'train_lm']
 
 # %% ../../nbs/architectures/latent_moe.ipynb #41ae02d1
 ACTS = ("relu2", "swiglu")
@@ -213,7 +213,26 @@ def _grouped_core(z: Tensor, w: Tensor, order: Tensor, expert: Tensor, pos: Tens
     return z.new_zeros(z.shape[0], W2.shape[2]).index_add(0, tok, ys)
 
 
-_grouped_compiled = compile_fn(_grouped_core, dynamic=True)
+_COMPILED: dict[tuple, object] = {}
+
+
+def _compiled_core(act: str, W1: Tensor, W2: Tensor):
+    """The compile_fn wrapper for one (grad mode, activation, W1 shape, W2 shape). Each wrapper has its own dynamo cache
+    and recompile budget: with one shared wrapper, train/eval grad-mode flips times the arms' expert shapes exceeded
+    dynamo's recompile limit (8) and the kernel silently ran eagerly (our first full run). Token count and capacity stay
+    dynamic inside a wrapper."""
+    key = (torch.is_grad_enabled(), act, tuple(W1.shape), tuple(W2.shape))
+    if key not in _COMPILED:
+        _COMPILED[key] = compile_fn(_grouped_core, dynamic=True)
+    return _COMPILED[key]
+
+
+def compiled_kernel_info() -> dict:
+    """compile_info summed over every compiled grouped-kernel wrapper: wrappers, calls, compiled calls, eager runs, errors.
+    `eager_runs == 0 and compiled_calls == calls` means every compiled-kernel call really ran compiled code."""
+    infos = [compile_info(f) for f in _COMPILED.values()]
+    return {"wrappers": len(infos), **{k: sum(i[k] for i in infos) for k in ("calls", "compiled_calls", "eager_runs")},
+            "errors": [i["error"] for i in infos if i["error"]]}
 
 
 def grouped_expert_forward(z: Tensor, idx: Tensor, weight: Tensor, W1: Tensor, W2: Tensor, act: str = "relu2",
@@ -223,7 +242,7 @@ def grouped_expert_forward(z: Tensor, idx: Tensor, weight: Tensor, W1: Tensor, W
     if z.shape[0] == 0:
         return z.new_zeros(0, W2.shape[2])
     order, expert, pos, tok, C = dispatch(idx, W1.shape[0])
-    fn = _grouped_compiled if compiled else _grouped_core
+    fn = _compiled_core(act, W1, W2) if compiled else _grouped_core
     return fn(z, weight, order, expert, pos, tok, W1, W2, C, act)
 
 
@@ -243,6 +262,9 @@ class LatentMoE(nn.Module):
         self.router = nn.Linear(cfg.d, N, bias=False)
         self.down = nn.Linear(cfg.d, l, bias=False) if cfg.projected else None
         self.up = nn.Linear(l, cfg.d, bias=False) if cfg.projected else None
+        if cfg.projected:   # N(0, 1/fan_in) like the experts (PyTorch's default would shrink the latent path's output ~7x)
+            nn.init.normal_(self.down.weight, std=cfg.d ** -0.5)
+            nn.init.normal_(self.up.weight, std=l ** -0.5)
         self.w1 = nn.Parameter(torch.randn(N, l, cfg.gate_factor * m) / math.sqrt(l))
         self.w2 = nn.Parameter(torch.randn(N, m, l) / math.sqrt(m))
         self.shared = nn.ModuleList(MLP(cfg.d, cfg.m, cfg.act) for _ in range(cfg.n_shared))
