@@ -85,3 +85,66 @@ def test_hfm_on_cuda():
     xh, x0, anc = (p.cuda() for p in (_pts(8), _pts(8, seed=1), _pts(3, seed=2)))
     t = torch.tensor(0.2, dtype=torch.float64, device="cuda")
     torch.testing.assert_close(H.corridor_dists_compiled(xh, x0, anc, t, 0.6), H.corridor_dists_loop(xh, x0, anc, 0.2, 0.6))
+
+
+def test_clipping_warns_and_domain_is_accurate():
+    """MAX_NORM clipping is never silent; inside ACCURATE_RADIUS the exp/log round trip keeps its digits, beyond it not."""
+    import warnings
+    with pytest.warns(H.LorentzDomainWarning, match="MAX_NORM"):
+        H.expmap0(torch.tensor([[20.0, 0.0]], dtype=torch.float64), 1.0)
+    o = H.expmap0(torch.zeros(1, 2, dtype=torch.float64), 1.0)
+    with pytest.warns(H.LorentzDomainWarning, match="clipped"):
+        H.expmap(o, torch.tensor([[0.0, 16.0, 0.0]], dtype=torch.float64), 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", H.LorentzDomainWarning)
+        H.expmap0(torch.tensor([[14.0, 0.0]], dtype=torch.float64), 1.0)     # just inside the cap: no warning
+
+    def roundtrip(r, dtype):
+        g = torch.Generator().manual_seed(0)
+        u = lambda: torch.nn.functional.normalize(torch.randn(64, 8, generator=g, dtype=torch.float64), dim=-1) * r
+        vx, vy = u(), u()
+        x, y = H.expmap0(vx.to(dtype), 1.0), H.expmap0(vy.to(dtype), 1.0)
+        back = H.expmap(x, H.logmap(x, y, 1.0), 1.0)
+        return float(((H.logmap0(back.double(), 1.0) - vy).norm(dim=-1) / r).max())
+    assert roundtrip(H.ACCURATE_RADIUS[torch.float64], torch.float64) < 1e-5
+    assert roundtrip(H.ACCURATE_RADIUS[torch.float32], torch.float32) < 1e-3
+    assert roundtrip(7.0, torch.float64) > 1e-6 and roundtrip(4.0, torch.float32) > 1e-3
+    with pytest.warns(H.LorentzDomainWarning, match="radius"):
+        H.lift(torch.full((2, 3), 4.0, dtype=torch.float64), 1.0, 1.0)      # sqrt(3) * 4 ~ 6.9 > 6
+    pts = H.expmap0(torch.tensor([[3.0, 4.0]], dtype=torch.float64), 0.25)
+    assert float(H.radius(pts, 0.25)) == pytest.approx(2.5)
+
+
+def test_run_task_trains_each_arm_at_its_own_lr():
+    task, cfg = _task(), H.FlowConfig(steps=4, blocks=1, width=16)
+    rows = H.run_task(task, cfg, 0, ablations=True, warmup_steps=3, lrs={"FMA": 1e-3, "HFM": 3e-3})
+    lr = {r["arm"]: r.get("lr") for r in rows}
+    assert lr["FMA"] == 1e-3 and lr["HFM"] == 3e-3 and lr["Euclid + path losses"] == cfg.lr
+    assert lr["HFM fixed steps"] == 3e-3                                    # the HFM net, re-integrated
+    assert all(r["max_radius"] <= H.ACCURATE_RADIUS[torch.float64] for r in rows if "max_radius" in r)
+    with pytest.raises(ValueError, match="unknown arms"):
+        H.run_task(task, cfg, 0, lrs={"GPT": 1e-3})
+
+
+def test_tune_lrs_extends_at_the_edge(monkeypatch):
+    """A pick at the grid's edge adds one ratio step that way (for every arm alike); an interior pick stops."""
+    text = torch.nn.functional.normalize(torch.randn(4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64), dim=-1)
+    best = {"FMA": 1e-2, "HFM": 1e-3}                           # FMA improves up to 1e-2, HFM peaks inside the grid
+
+    class _Fake:
+        def __init__(self, arm, lr):
+            self.arm, self.lr = arm, lr
+
+        def predict(self, x, rule):
+            n = len(x)
+            acc = max(0.0, 1 - abs(math.log10(self.lr / best[self.arm])) / 3)
+            return type("P", (), {"pred": torch.tensor([0] * round(acc * n) + [1] * (n - round(acc * n)))})()
+    monkeypatch.setattr(H, "train_arm", lambda arm, task, cfg, seed, w=200: (_Fake(arm, cfg.lr), "dist"))
+    monkeypatch.setattr(H, "make_hierarchy_benchmark", lambda *a, **k: type("T", (), {
+        "x_test": torch.zeros(100, 8), "y_test": torch.zeros(100, dtype=torch.long)})())
+    table, lrs = H.tune_lrs(text, torch.tensor([0, 0, 1, 1]), H.FlowConfig(), [1e-4, 10 ** -3.5, 1e-3], 100, [4], 0.5,
+                            arms=("FMA", "HFM"), max_extend=2)
+    assert lrs["HFM"] == pytest.approx(1e-3) and len(table[table.arm == "HFM"]) == 4      # one step up, then interior
+    assert lrs["FMA"] == pytest.approx(1e-2, rel=1e-3) and len(table[table.arm == "FMA"]) == 5      # two steps up (the cap)
+    with pytest.raises(ValueError, match="grid"):
+        H.tune_lrs(text, torch.tensor([0, 0, 1, 1]), H.FlowConfig(), [1e-3], 100, [4], 0.5)

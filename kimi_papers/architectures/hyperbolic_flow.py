@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 import time
+import warnings
 from typing import Any, Callable, Sequence
 import numpy as np
 import pandas as pd
@@ -19,16 +20,30 @@ from ..core.kernels import compile_fn
 from ..core.train import cosine_lr
 
 # %% auto #0
-__all__ = ['MAX_NORM', 'EPS', 'corridor_dists_compiled', 'SUPER', 'MAIN', 'ABLATIONS', 'lorentz_inner', 'reproject', 'expmap0',
-           'logmap0', 'lorentz_dist', 'proj_tangent', 'expmap', 'logmap', 'geodesic', 'corridor_dists',
-           'corridor_dists_loop', 'FewShot', 'text_anchors', 'make_hierarchy_benchmark', 'zero_shot', 'linear_probe',
-           'AdaLNBlock', 'time_embedding', 'VelocityNet', 'Euclid', 'Lorentz', 'FlowConfig', 'path_losses',
-           'train_flow', 'FlowPrediction', 'integrate', 'path_crossing', 'LiftParams', 'lift', 'cone_hinge',
-           'fit_centripetal', 'Trained', 'train_fma', 'train_hfm', 'run_task', 'run_experiment']
+__all__ = ['MAX_NORM', 'EPS', 'ACCURATE_RADIUS', 'corridor_dists_compiled', 'SUPER', 'MAIN', 'ABLATIONS', 'TRAINED_ARMS',
+           'LorentzDomainWarning', 'radius', 'lorentz_inner', 'reproject', 'expmap0', 'logmap0', 'lorentz_dist',
+           'proj_tangent', 'expmap', 'logmap', 'geodesic', 'corridor_dists', 'corridor_dists_loop', 'FewShot',
+           'text_anchors', 'make_hierarchy_benchmark', 'zero_shot', 'linear_probe', 'AdaLNBlock', 'time_embedding',
+           'VelocityNet', 'Euclid', 'Lorentz', 'FlowConfig', 'path_losses', 'train_flow', 'FlowPrediction', 'integrate',
+           'path_crossing', 'LiftParams', 'lift', 'cone_hinge', 'fit_centripetal', 'Trained', 'train_fma', 'train_hfm',
+           'train_arm', 'run_task', 'tune_lrs', 'run_experiment']
 
 # %% ../../nbs/architectures/hyperbolic_flow.ipynb #7b910a12
-MAX_NORM = 15.0          # sqrt(k)*|v| cap: cosh(15) ~ 1.6e6 stays finite in float32
+MAX_NORM = 15.0          # sqrt(k)*|v| cap: cosh(15) ~ 1.6e6 stays finite in float32; clipping warns
 EPS = 1e-7
+# radius sqrt(k) d(o, x) up to which log/exp/dist keep a relative error below ~1e-6 (float64) / ~1e-4 (float32), measured
+ACCURATE_RADIUS = {torch.float64: 6.0, torch.float32: 2.0}
+
+
+class LorentzDomainWarning(UserWarning):
+    """A tangent vector was clipped to `MAX_NORM`, or a point was placed beyond `ACCURATE_RADIUS` for its dtype."""
+
+
+def _warn_if_clipped(z: Tensor) -> None:
+    """Warn when any sqrt(k)|v| in z exceeds MAX_NORM (the maps then move the point a shorter distance than asked)."""
+    if bool((z > MAX_NORM).any()):      # one fixed message: Python's default filter then shows it once per call site
+        warnings.warn(f"sqrt(k)*|v| > MAX_NORM = {MAX_NORM}: a tangent vector was clipped to MAX_NORM; rescale the features "
+                      "or lower the curvature k", LorentzDomainWarning, stacklevel=3)
 
 
 def _check_k(k: float | Tensor) -> Tensor | float:
@@ -36,6 +51,12 @@ def _check_k(k: float | Tensor) -> Tensor | float:
     if not math.isfinite(kv) or kv <= 0:
         raise ValueError(f"k: expected a curvature > 0, got {kv}")
     return k
+
+
+def radius(x: Tensor, k: float | Tensor) -> Tensor:
+    """sqrt(k) * d(o, x) of points x [..., n+1]: how far out they are in units of the curvature radius -> [...]."""
+    sk = math.sqrt(k) if not isinstance(k, Tensor) else k.sqrt()
+    return torch.acosh((sk * x[..., 0]).clamp_min(1.0))
 
 
 def lorentz_inner(x: Tensor, y: Tensor) -> Tensor:
@@ -75,6 +96,7 @@ def expmap0(v: Tensor, k: float | Tensor) -> Tensor:
     _check_k(k)
     sk = math.sqrt(k) if not isinstance(k, Tensor) else k.sqrt()
     r = _safe_norm(v)
+    _warn_if_clipped((sk * r).detach())
     z = (sk * r).clamp_max(MAX_NORM)
     scale = z / (sk * r)                                  # < 1 only where sqrt(k) |v| was capped
     vv = v * scale
@@ -105,6 +127,7 @@ def expmap(x: Tensor, v: Tensor, k: float | Tensor) -> Tensor:
     _check_k(k)
     sk = math.sqrt(k) if not isinstance(k, Tensor) else k.sqrt()
     n = _safe_norm(v, minkowski=True)
+    _warn_if_clipped((sk * n).detach())
     z = (sk * n).clamp_max(MAX_NORM)
     scale = z / (sk * n)
     return reproject(torch.cosh(z) * x + _sinhc(z) * v * scale, k)
@@ -490,10 +513,17 @@ class LiftParams:
 
 
 def lift(feats: Tensor, alpha: float | Tensor, k: float | Tensor) -> Tensor:
-    """Lift features [n, d] (un-normalised: the norm sets the depth) onto the hyperboloid: [n, d+1]."""
+    """Lift features [n, d] (un-normalised: the norm sets the depth) onto the hyperboloid: [n, d+1]. Warns
+    (`LorentzDomainWarning`) when a lifted point lies beyond `ACCURATE_RADIUS` for its dtype."""
     if (isinstance(alpha, Tensor) and (alpha <= 0).any()) or (not isinstance(alpha, Tensor) and alpha <= 0):
         raise ValueError(f"alpha: expected a scale > 0, got {alpha}")
-    return expmap0(alpha * feats, k)
+    pts = expmap0(alpha * feats, k)
+    r_max = float(radius(pts.detach(), k.detach() if isinstance(k, Tensor) else k).max())
+    r_ok = ACCURATE_RADIUS.get(pts.dtype, 2.0)
+    if r_max > r_ok:
+        warnings.warn(f"lift: a point lies at radius sqrt(k) d(o, x) = {r_max:.3g} > {r_ok} ({pts.dtype}), where the Lorentz "
+                      "maps lose accuracy; lower alpha or k, or use float64", LorentzDomainWarning, stacklevel=2)
+    return pts
 
 
 def cone_hinge(parent: Tensor, child: Tensor, k: Tensor, K: float = 0.1) -> Tensor:
@@ -573,10 +603,12 @@ def _acc(pred: Tensor, y: Tensor) -> float:
 
 def _flow_row(arm: str, model: Trained, out: FlowPrediction, task: FewShot, rule: str, seconds: float) -> dict:
     row = dict(arm=arm, acc=_acc(out.pred, task.y_test), steps=float(out.steps_used.double().mean()),
-               never_stopped=out.never_stopped, train_s=seconds,
+               never_stopped=out.never_stopped, n_test=len(task.y_test), train_s=seconds, lr=model.cfg.lr,
                **path_crossing(model.geo, out.path, model.anchors, task.y_test, out.pred, rule))
     if model.geo.name == "lorentz":
         row["manifold_err"] = float((lorentz_inner(out.path, out.path) + 1 / model.geo.k).abs().max())
+        pts = torch.cat([out.path.flatten(0, 1), model.anchors])
+        row["max_radius"] = float(radius(pts, model.geo.k).max())
     return row
 
 
@@ -585,39 +617,107 @@ def _timed(fn: Callable[[], Trained]) -> tuple[Trained, float]:
     return fn(), time.perf_counter() - t0
 
 
-def run_task(task: FewShot, cfg: FlowConfig, seed: int, ablations: bool = False, warmup_steps: int = 200) -> list[dict]:
-    """Every arm on one few-shot task (same data, seed and training budget): one row per arm with test accuracy (%),
-    crossing rate, nearest-anchor switches, solver steps used and training seconds."""
+TRAINED_ARMS = ("FMA", "Euclid + path losses", "HFM", "HFM w/o centripetal", "HFM w/o path losses")
+
+
+def train_arm(arm: str, task: FewShot, cfg: FlowConfig, seed: int, warmup_steps: int = 200) -> tuple[Trained, str]:
+    """Train one flow arm (one of `TRAINED_ARMS`) with `cfg` (its lr included): (model, its classification rule)."""
+    plain, path = replace(cfg, path_loss=False, stopping="fixed"), replace(cfg, path_loss=True, stopping="diameter")
+    if arm == "FMA":
+        return train_fma(task, plain, seed), "cosine"
+    if arm == "Euclid + path losses":
+        return train_fma(task, path, seed), "dist"
+    if arm == "HFM":
+        return train_hfm(task, path, seed, warmup_steps=warmup_steps), "dist"
+    if arm == "HFM w/o centripetal":
+        return train_hfm(task, path, seed, centripetal=False), "dist"
+    if arm == "HFM w/o path losses":
+        return train_hfm(task, replace(path, path_loss=False), seed, warmup_steps=warmup_steps), "dist"
+    raise ValueError(f"arm={arm!r}: expected one of {TRAINED_ARMS}")
+
+
+def run_task(task: FewShot, cfg: FlowConfig, seed: int, ablations: bool = False, warmup_steps: int = 200,
+             lrs: dict[str, float] | None = None) -> list[dict]:
+    """Every arm on one few-shot task (same data, seed and training budget; arm a trains at lrs[a], default cfg.lr): one row
+    per arm with test accuracy (%), crossing rate, nearest-anchor switches, solver steps used and training seconds."""
+    lrs = dict(lrs or {})
+    unknown = set(lrs) - set(TRAINED_ARMS)
+    if unknown:
+        raise ValueError(f"lrs: unknown arms {sorted(unknown)}; expected keys among {TRAINED_ARMS}")
     rows = [dict(arm="zero-shot", acc=_acc(zero_shot(task), task.y_test)),
             dict(arm="linear probe", acc=_acc(linear_probe(task, seed), task.y_test))]
-    plain, path = replace(cfg, path_loss=False, stopping="fixed"), replace(cfg, path_loss=True, stopping="diameter")
-    fma, s = _timed(lambda: train_fma(task, plain, seed))
-    out = fma.predict(task.x_test, "cosine")
-    rows.append(_flow_row("FMA", fma, out, task, "cosine", s))
-    per_step = [_acc(_classify(fma.geo, p, fma.anchors, "cosine"), task.y_test) for p in out.path[1:]]
-    rows.append(dict(arm="FMA (best steps on test)", acc=max(per_step), steps=float(1 + int(np.argmax(per_step)))))
-    eu, s = _timed(lambda: train_fma(task, path, seed))
-    rows.append(_flow_row("Euclid + path losses", eu, eu.predict(task.x_test), task, "dist", s))
-    hfm, s = _timed(lambda: train_hfm(task, path, seed, warmup_steps=warmup_steps))
-    rows.append(_flow_row("HFM", hfm, hfm.predict(task.x_test), task, "dist", s) | asdict(hfm.lift))
+    arms = TRAINED_ARMS if ablations else TRAINED_ARMS[:3]
+    for arm in arms:
+        m, s = _timed(lambda: train_arm(arm, task, replace(cfg, lr=lrs.get(arm, cfg.lr)), seed, warmup_steps))
+        model, rule = m
+        out = model.predict(task.x_test, rule)
+        rows.append(_flow_row(arm, model, out, task, rule, s) | (asdict(model.lift) if arm == "HFM" else {}))
+        if arm == "FMA":
+            per_step = [_acc(_classify(model.geo, p, model.anchors, "cosine"), task.y_test) for p in out.path[1:]]
+            rows.append(dict(arm="FMA (best steps on test)", acc=max(per_step), steps=float(1 + int(np.argmax(per_step)))))
+        if arm == "HFM":
+            hfm = model
     if ablations:
-        m, s = _timed(lambda: train_hfm(task, path, seed, centripetal=False))
-        rows.append(_flow_row("HFM w/o centripetal", m, m.predict(task.x_test), task, "dist", s))
-        m, s = _timed(lambda: train_hfm(task, replace(path, path_loss=False), seed, warmup_steps=warmup_steps))
-        rows.append(_flow_row("HFM w/o path losses", m, m.predict(task.x_test), task, "dist", s))
         fixed = Trained(hfm.geo, hfm.net, hfm.anchors, replace(hfm.cfg, stopping="fixed"), hfm.lift)
         rows.append(_flow_row("HFM fixed steps", fixed, fixed.predict(task.x_test), task, "dist", 0.0))
     return rows
 
 
+def tune_lrs(text: Tensor, super_of: Tensor, cfg: FlowConfig, grid: Sequence[float], seed: int, shots: Sequence[int],
+             sigma: float, n_test: int = 50, warmup_steps: int = 200, arms: Sequence[str] = TRAINED_ARMS,
+             max_extend: int = 2, progress: Callable | None = None) -> tuple[pd.DataFrame, dict[str, float]]:
+    """Pick each arm's lr on the same grid by its accuracy on a tuning task (seed `seed`, which must not be an evaluation
+    seed), averaged over `shots`; a pick at the grid's edge extends the grid by one ratio step that way, up to `max_extend`
+    times. Returns (one row per arm, lr, shots with the tuning accuracy and the count of `LorentzDomainWarning`s, e.g. a
+    diverging lr clipping its steps; the chosen lr per arm)."""
+    grid = sorted(float(g) for g in grid)
+    if len(grid) < 2 or grid[0] <= 0:
+        raise ValueError(f"grid={grid}: expected at least two learning rates > 0")
+    ratio = grid[1] / grid[0]
+    tasks = {n: make_hierarchy_benchmark(text, super_of, n, sigma, seed, n_test=n_test) for n in shots}
+    rows, best = [], {}
+
+    def score(arm: str, lr: float) -> float:
+        accs = []
+        for n, task in tasks.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", LorentzDomainWarning)
+                model, rule = train_arm(arm, task, replace(cfg, lr=lr), seed, warmup_steps)
+                accs.append(_acc(model.predict(task.x_test, rule).pred, task.y_test))
+            n_warn = sum(issubclass(w.category, LorentzDomainWarning) for w in caught)
+            for w in caught:
+                if not issubclass(w.category, LorentzDomainWarning):
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            rows.append(dict(arm=arm, lr=lr, shots=n, acc=accs[-1], domain_warnings=n_warn))
+        if progress:
+            progress(arm, lr)
+        return float(np.mean(accs))
+    for arm in arms:
+        lrs = list(grid)
+        accs = {lr: score(arm, lr) for lr in lrs}
+        for _ in range(max_extend):
+            pick = max(lrs, key=lambda lr: (accs[lr], -lr))
+            if pick == lrs[0]:
+                lrs.insert(0, lrs[0] / ratio)
+                accs[lrs[0]] = score(arm, lrs[0])
+            elif pick == lrs[-1]:
+                lrs.append(lrs[-1] * ratio)
+                accs[lrs[-1]] = score(arm, lrs[-1])
+            else:
+                break
+        best[arm] = max(lrs, key=lambda lr: (accs[lr], -lr))
+    return pd.DataFrame(rows), best
+
+
 def run_experiment(text: Tensor, super_of: Tensor, cfg: FlowConfig, seeds: Sequence[int], shots: Sequence[int],
-                   sigma: float, ablation_shots: int = 4, warmup_steps: int = 200, progress: Callable | None = None) -> pd.DataFrame:
+                   sigma: float, ablation_shots: int = 4, warmup_steps: int = 200, progress: Callable | None = None,
+                   lrs: dict[str, float] | None = None) -> pd.DataFrame:
     """`run_task` over seeds x shots (a fresh benchmark draw per seed): one row per (seed, shots, arm)."""
     rows = []
     for seed in seeds:
         for n in shots:
             task = make_hierarchy_benchmark(text, super_of, n, sigma, seed)
-            for r in run_task(task, cfg, seed, ablations=(n == ablation_shots), warmup_steps=warmup_steps):
+            for r in run_task(task, cfg, seed, ablations=(n == ablation_shots), warmup_steps=warmup_steps, lrs=lrs):
                 rows.append(dict(seed=seed, shots=n, sigma=sigma, **r))
             if progress:
                 progress(seed, n)
