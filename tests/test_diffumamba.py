@@ -198,3 +198,22 @@ def test_cuda_matches_cpu():
     m = set_compiled(Denoiser(d=32, n_layer=2, pattern="MA", ctx=64, chunk=16), False).to(cu)
     out = sample(m, 24, 4, generator=torch.Generator().manual_seed(0))
     assert out.device.type == "cuda" and not (out == 256).any()
+
+
+def test_gpu_bench_script_runs_tiny_on_cpu(tmp_path):
+    """bench/diffumamba_gpu.py (the throughput rows' GPU script) runs at a tiny size on CPU and writes its JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("diffumamba_gpu", Path(__file__).resolve().parents[1] / "bench" / "diffumamba_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    s = mod.main(["--out", str(tmp_path), "--device", "cpu", "--tiny"])
+    saved = json.loads((tmp_path / "diffumamba_gpu.json").read_text())
+    assert saved["rows"].keys() == s["rows"].keys() == {"throughput_ratio", "hybrid_ratio", "scaling_margin", "flop_excess_bimamba"}
+    r = saved["rows"]["throughput_ratio"]
+    assert r["n"] == 2 and 0 < r["ci"][0] <= r["estimate"] <= r["ci"][1]
+    assert len(saved["timing"]) == 2 * 3 * 3 and saved["compiled_ssd"] is False
+    assert saved["flop_slopes"]["BiMamba"] == pytest.approx(1.0, abs=0.05)   # the scan's FLOPs are linear in L
+    with pytest.raises(ValueError, match="claim_length"):
+        mod.run(tmp_path, "cpu", d=32, layers=2, lengths=[64, 128], claim_length=100, slope_from=64, rounds=1, reps=1)
