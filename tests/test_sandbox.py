@@ -206,10 +206,11 @@ def test_threads_count_against_the_process_cap(kw, prefix, token):
 
 @needs_bwrap
 def test_the_run_ends_when_the_caller_dies():
-    tok = uuid.uuid4().hex
+    tok, base = uuid.uuid4().hex, Path(tempfile.mkdtemp(prefix="kimi_sandbox_caller_"))
     caller = subprocess.Popen([sys.executable, "-c", "import types\nfrom kimi_papers.core import sandbox as sb\n"
                                f"sb.uuid = types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex={tok!r}))\n"
-                               "sb.run_python('import time\\nwhile True: time.sleep(1)', timeout_s=60, gate=False)"])
+                               "sb.run_python('import time\\nwhile True: time.sleep(1)', timeout_s=60, gate=False)"],
+                              env={**os.environ, "TMPDIR": str(base)})  # the killed caller cannot delete its inputs
     try:
         until = time.monotonic() + 10
         while not _procs_in(tok) and time.monotonic() < until:
@@ -220,6 +221,7 @@ def test_the_run_ends_when_the_caller_dies():
         assert not _left(tok, 3.0), "the sandbox outlived its caller"
     finally:
         caller.kill()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @needs_bwrap
