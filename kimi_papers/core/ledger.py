@@ -216,6 +216,17 @@ class Estimate:
         return cls(value, float(lo), float(hi), n, method, tuple(float(x) for x in arrs[0]) if keep else (), level)
 
     @classmethod
+    def log_t(cls, ratios: Sequence[float], level: float = 0.95) -> "Estimate":
+        """Geometric mean of positive `ratios` [n] (speed-ups, KL ratios) with the t-interval of their logs mapped back
+        with exp: an interval that never leaves (0, inf), as a ratio's must."""
+        a = _as_1d(ratios, "ratios")
+        if not (np.isfinite(a).all() and (a > 0).all()):
+            raise ValueError(f"ratios: expected finite positive numbers, got {a.tolist()[:5]}")
+        lt = cls.t(np.log(a), level)
+        return cls(math.exp(lt.value), math.exp(lt.low), math.exp(lt.high), lt.n, "t on log (geometric mean)",
+                   tuple(map(float, a)), level)
+
+    @classmethod
     def point(cls, value: Any) -> "Estimate":
         """One number, n = 1 (a deterministic identity or a single measurement)."""
         v = _as_number(value)
