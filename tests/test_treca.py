@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from kimi_papers.science import treca
+
 from kimi_papers.science.treca import (
     TrecaConfig, accepted_error, bayes_chow, chow_rule, clip_propensity, crossfit_nuisances, cvar_identity,
     dr_pseudo_outcome, evaluate_arm, fit_treca, frechet_bounds, gamma_bounds, load_nsw, load_thornton, make_world,
@@ -225,8 +227,10 @@ def test_bad_inputs():
         crossfit_nuisances(X[:19], T, Y)
     Xn = X.copy()
     Xn[3, 1] = np.nan
-    with pytest.raises(ValueError, match="dropna"):
+    with pytest.raises(ValueError, match=r"keep = np.isfinite\(X\).all\(1\)") as err:  # issue 20: no dropna= here
         crossfit_nuisances(Xn, T, Y)
+    assert "pass dropna=True" not in str(err.value) and "check_covariates(X, dropna=True)" in str(err.value)
+    assert treca.check_covariates(Xn, dropna=True)[1].sum() == 19   # the option the message names exists
     with pytest.raises(ValueError, match="overlap"):
         clip_propensity(np.r_[np.full(10, 0.001), np.full(90, 0.5)])
     with pytest.warns(RuntimeWarning, match="clipped 2"):
@@ -248,3 +252,26 @@ def test_real_data_split_scores_both_rules_on_held_out_units():
     assert row["robust_abstain_gamma_2"] >= row["robust_abstain_gamma_1"]  # a larger Gamma never labels more units
     with pytest.raises(ValueError, match="test_frac"):
         real_data_split(nsw, 0, test_frac=1.0)
+
+
+def test_gain_decomposition_adds_up_and_reads_labels():
+    rho = np.array([0.9, 0.8, 0.45, 0.3, 0.1])
+    # A (TRECA-like) labels unit 1 responder and abstains on unit 2; B (plug-in-like) labels unit 1 non-responder
+    dec = treca.gain_decomposition(np.array([1, 1, 0, 0, 0]), np.array([0, 0, 1, 0, 0], bool),
+                                   np.array([1, 0, 1, 0, 0]), np.array([0, 0, 0, 0, 1], bool), rho)
+    assert dec["disagree"] == pytest.approx(0.4) and dec["disagree_abstained"] == pytest.approx(0.5)
+    assert dec["from_labels"] + dec["from_abstention"] == pytest.approx(dec["total"])
+    hybrid = treca.regret(np.array([1, 0, -1, 0, 0]), rho)    # B's labels on A's accepted units
+    assert dec["from_labels"] == pytest.approx(hybrid - treca.regret(np.array([1, 1, -1, 0, 0]), rho))
+    same = treca.gain_decomposition(np.array([1, 0]), np.array([False, True]), np.array([1, 0]), np.array([False, True]),
+                                    np.array([0.7, 0.4]))
+    assert same["total"] == same["from_labels"] == same["from_abstention"] == 0.0
+    with pytest.raises(ValueError, match="labels_a"):
+        treca.gain_decomposition(np.array([2, 0]), np.array([0, 0], bool), np.array([1, 0]), np.array([0, 0], bool), rho[:2])
+
+
+def test_evaluate_arm_units():
+    w = make_world(load_thornton().X, 1, 400, 300)
+    row = evaluate_arm(w, "plugin", alpha=0.2, units=True)
+    assert row["labels"].shape == (300,) and row["abstain_units"].mean() == pytest.approx(row["abstain"])
+    assert "labels" not in evaluate_arm(w, "plugin", alpha=0.2)

@@ -26,8 +26,8 @@ __all__ = ['REGIMES', 'LEARNERS', 'E_CLIP', 'treca_loss_compiled', 'treca_cost_c
            'dr_pseudo_outcome', 'plugin_rho', 'n_abstain', 'treca_loss_core', 'treca_cost_core', 'treca_objective',
            'treca_cost_objective', 'treca_objective_reference', 'cvar_identity', 'TrecaConfig', 'make_scorer',
            'AbstainingClassifier', 'fit_treca', 'ChowRule', 'chow_rule', 'bayes_chow', 'fit_dr_two_stage', 'unit_error',
-           'true_risk', 'accepted_error', 'regret', 'dr_risk', 'frechet_bounds', 'gamma_bounds', 'responder_bounds',
-           'robust_chow', 'World', 'make_world', 'evaluate_arm', 'real_data_split']
+           'true_risk', 'accepted_error', 'regret', 'gain_decomposition', 'dr_risk', 'frechet_bounds', 'gamma_bounds',
+           'responder_bounds', 'robust_chow', 'World', 'make_world', 'evaluate_arm', 'real_data_split']
 
 # %% ../../nbs/science/treca.ipynb #f6109b0a
 def check_binary(name: str, a: np.ndarray | Sequence[float]) -> np.ndarray:
@@ -71,7 +71,9 @@ def check_covariates(X: np.ndarray, n: int | None = None, dropna: bool = False) 
         raise ValueError(f"X has {X.shape[0]} rows but T/Y have {n}: mismatched lengths")
     keep = np.isfinite(X).all(1)
     if not keep.all() and not dropna:
-        raise ValueError(f"X: {int((~keep).sum())} rows hold NaN/inf; drop them first or pass dropna=True")
+        raise ValueError(f"X: {int((~keep).sum())} rows hold NaN/inf; drop those rows (and their T, Y) before calling: "
+                         "keep = np.isfinite(X).all(1) (check_covariates(X, dropna=True) returns that mask; the "
+                         "loaders take dropna=True)")
     return X, keep
 
 
@@ -637,6 +639,28 @@ def regret(pred: np.ndarray, rho: np.ndarray, c: float | None = None) -> float:
     return true_risk(pred, rho) - true_risk(_oracle_by_count(rho, int((pred == -1).sum())), rho)
 
 
+def gain_decomposition(labels_a: np.ndarray, abstain_a: np.ndarray, labels_b: np.ndarray, abstain_b: np.ndarray,
+                       rho: np.ndarray) -> dict:
+    """Split rule A's regret gain over rule B (matched abstention) into its abstention set and its labels.
+
+    labels_* int {0, 1} [n] (each rule's label on every unit), abstain_* bool [n]. The hybrid H keeps B's labels on
+    A's accepted units: total = regret(B) - regret(A) = from_abstention (regret(B) - regret(H)) + from_labels
+    (regret(H) - regret(A)). `labels_first` is the other order: regret(B) - regret(A's labels, B's abstention set).
+    Also: the share of units whose labels differ, how many of those A abstains on, and the label disagreement among
+    A's accepted units."""
+    la, lb = check_binary("labels_a", labels_a), check_binary("labels_b", labels_b)
+    aa, ab = np.asarray(abstain_a, bool), np.asarray(abstain_b, bool)
+    _same_length(labels_a=la, abstain_a=aa, labels_b=lb, abstain_b=ab, rho=np.asarray(rho))
+    pa, pb = np.where(aa, -1, la), np.where(ab, -1, lb)
+    ra, rb = regret(pa, rho), regret(pb, rho)
+    rh, rh2 = regret(np.where(aa, -1, lb), rho), regret(np.where(ab, -1, la), rho)
+    diff = la != lb
+    return {"total": rb - ra, "from_abstention": rb - rh, "from_labels": rh - ra, "labels_first": rb - rh2,
+            "disagree": float(diff.mean()), "disagree_abstained": float(aa[diff].mean()) if diff.any() else float("nan"),
+            "disagree_accepted": float(diff[~aa].mean()) if (~aa).any() else float("nan"),
+            "abstain_overlap": float((aa & ab).sum() / max(aa.sum(), 1))}
+
+
 def dr_risk(pred: np.ndarray, phi: np.ndarray) -> float:
     """The DR estimate of the budget-form risk, mean[1{h=1}(1 - phi) + 1{h=0} phi] (abstained units add 0)."""
     pred, phi = _check_pred(pred, phi)
@@ -726,11 +750,13 @@ ARMS = ("treca", "treca_ipw", "treca_plugin_form", "treca_oracle_phi", "dr_two_s
 
 
 def evaluate_arm(w: World, arm: str, alpha: float | None = None, cost: float | None = None, model: str = "mlp",
-                 cfg: TrecaConfig | None = None, device: str | torch.device = "cpu", compiled: bool = True) -> dict:
+                 cfg: TrecaConfig | None = None, device: str | torch.device = "cpu", compiled: bool = True,
+                 units: bool = False) -> dict:
     """Fit `arm` on the world's training units and score it on its test units against the true rho.
 
     Returns a row: regret (matched abstention, or cost form when `cost` is given), accepted error, overall
-    error of its labels (= accepted error under random abstention), abstention rate."""
+    error of its labels (= accepted error under random abstention), abstention rate; with `units=True` also the
+    per-test-unit `labels` [m] and `abstain` [m] (for `gain_decomposition`)."""
     if arm not in ARMS:
         raise ValueError(f"arm={arm!r}: expected one of {ARMS}")
     X, Xt, rho_t = w.train.X, w.test.X, w.test.rho
@@ -753,10 +779,11 @@ def evaluate_arm(w: World, arm: str, alpha: float | None = None, cost: float | N
         pred = bayes_chow(rho_t, c=cost, alpha=alpha)
         labels = (rho_t > 0.5).astype(np.int64)
     acc = pred != -1
-    return {"arm": arm, "alpha": alpha, "cost": cost, "model": model, "learner": w.learner, "regime": w.train.regime,
-            "seed": w.seed, "n": len(X), "regret": regret(pred, rho_t, cost),
-            "accepted_error": float(unit_error(pred, rho_t)[acc].mean()) if acc.any() else float("nan"),
-            "error_all": float(unit_error(labels, rho_t).mean()), "abstain": float(1 - acc.mean())}
+    row = {"arm": arm, "alpha": alpha, "cost": cost, "model": model, "learner": w.learner, "regime": w.train.regime,
+           "seed": w.seed, "n": len(X), "regret": regret(pred, rho_t, cost),
+           "accepted_error": float(unit_error(pred, rho_t)[acc].mean()) if acc.any() else float("nan"),
+           "error_all": float(unit_error(labels, rho_t).mean()), "abstain": float(1 - acc.mean())}
+    return {**row, "labels": labels, "abstain_units": ~acc} if units else row
 
 
 def real_data_split(data: CausalData, split_seed: int, alpha: float = 0.2, model: str = "mlp",
