@@ -172,10 +172,15 @@ def test_policy_gradient_is_reinforce_at_ratio_one_and_grad_variance():
     assert gv["trace"] == pytest.approx(2.0) and gv["mean_sq"] == pytest.approx(5.0) and gv["relative"] == pytest.approx(0.4)
 
 
-def test_coef_schedule():
-    assert coef_schedule(4, 100, 10, 1.0, 0.0) == pytest.approx(0.5)
+def test_coef_schedule_matches_the_official_warmup():
+    """ray_trainer.py::cosine_anneal_coef: cmax * step / warmup during warmup (0 at step 0), then cosine to cmin."""
+    assert coef_schedule(0, 100, 10, 1.0, 0.0) == 0.0          # the old (step + 1) form gave 0.1 here
+    assert coef_schedule(4, 100, 10, 1.0, 0.0) == pytest.approx(0.4)
+    assert coef_schedule(5, 100, 10, 1.0, 0.0) == pytest.approx(0.5)
+    assert coef_schedule(10, 100, 10, 1.0, 0.0) == pytest.approx(1.0)
     assert coef_schedule(55, 100, 10, 1.0, 0.0) == pytest.approx(0.5)
     assert coef_schedule(100, 100, 10, 1.0, 0.0) == pytest.approx(0.0)
+    assert coef_schedule(7, 50, 0, 0.5, 0.5) == 0.5
 
 
 @pytest.mark.slow

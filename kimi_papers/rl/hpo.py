@@ -509,10 +509,11 @@ def hpo_advantages(outcome_adv: Tensor, step_w: Tensor, step_index: Tensor, coef
 
 
 def coef_schedule(step: int, total: int, warmup: int = 0, cmax: float = 0.5, cmin: float = 0.5) -> float:
-    """The step-advantage coefficient c: linear warmup 0 -> cmax over `warmup` steps, then cosine cmax -> cmin."""
+    """The step-advantage coefficient c (the official `cosine_anneal_coef`): cmax * step / warmup for step < warmup
+    (c = 0 at step 0), then cosine from cmax at step = warmup to cmin at step = total."""
     check_int("total", total); check_int("warmup", warmup, 0); check_int("step", step, 0)
     if warmup and step < warmup:
-        return cmax * (step + 1) / warmup
+        return cmax * step / warmup
     frac = min(1.0, (step - warmup) / max(1, total - warmup))
     return cmin + 0.5 * (cmax - cmin) * (1 + math.cos(math.pi * frac))
 
