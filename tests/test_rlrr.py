@@ -73,7 +73,7 @@ def test_advantages_hand_case_and_reference():
     clipped = R.rlrr_advantages(s, rule, uid)
     assert clipped[4] == 0 and clipped[5] == 0 and torch.equal(clipped[6:], raw[6:]) and torch.equal(clipped[:4], raw[:4])
     assert R.sign_violation_rate(raw, rule) == 0.25 and R.sign_violation_rate(clipped, rule) == 0.0
-    assert R.effective_group_ratio(clipped, uid) == 1.0
+    assert R.live_group_ratio(clipped, uid) == 1.0
     dr = R.rlrr_advantages(s, None, uid, norm="none")
     assert torch.allclose(dr[:4], torch.tensor([0.75, -0.25, -0.25, -0.25], dtype=torch.float64))
     g = torch.Generator().manual_seed(0)
@@ -91,7 +91,7 @@ def test_flat_groups_fall_back_to_unit_scale():
     u = torch.tensor([0, 0, 1, 1])
     a = R.rlrr_advantages(R.rank_to_reward(torch.tensor([[1, 2], [2, 1]]), torch.zeros(2, 2), "weight").flatten(),
                           torch.zeros(4), u)
-    assert torch.equal(a, torch.zeros(4, dtype=torch.float64)) and R.effective_group_ratio(a, u) == 0.0
+    assert torch.equal(a, torch.zeros(4, dtype=torch.float64)) and R.live_group_ratio(a, u) == 0.0
     with pytest.raises(ValueError, match="uid: expected shape"):
         R.rlrr_advantages(torch.zeros(4), None, torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="non-finite"):
@@ -226,7 +226,7 @@ def test_trl_reward_layout_errors():
         fn(["1+2=", "2+2="], ["3", "4"], answer=["3", "4"])
     with pytest.raises(ValueError, match="multiple of num_generations"):
         fn(["1+2="] * 3, ["3"] * 3, answer=["3"] * 3)
-    with pytest.raises(ValueError, match="'answer'"):
+    with pytest.raises(ValueError, match="answer_key='answer'"):
         fn(["1+2="] * 2, ["3"] * 2)
     with pytest.raises(ValueError, match="num_generations"):
         R.rlrr_trl_reward(R.arith_judge(), task, num_generations=1)
@@ -288,8 +288,59 @@ def test_two_grpo_trainer_steps_match_the_core(mapping):
         assert torch.equal(rl, R.rlrr_advantages(core_r.double(), correct, uid).float())
         assert R.sign_violation_rate(rl.double(), correct) == 0.0
         if mapping == "supplement":  # every group of the random model carries signal
-            assert R.effective_group_ratio(core_adv, uid) == 1.0
+            assert R.live_group_ratio(core_adv, uid) == 1.0
         # the weight mapping of the same completions: zero in every group without a correct answer (expected)
         w = group_rewards(R.rlrr_group_reward(judge, task, "weight", 0.1), probs, comps, uid).view(-1, G)
         dead = ~correct.view(-1, G).any(1)
         assert (w[dead] == 0).all()
+
+
+def test_trl_reward_answer_column_checked_up_front():
+    task = ArithmeticTask(digits=2)
+    with pytest.raises(ValueError, match="answer_key='answer'.*no such column"):
+        R.rlrr_trl_reward(R.arith_judge(), task, num_generations=2, dataset=["prompt", "solution"])
+    with pytest.raises(ValueError, match="answer_key='ans'"):
+        R.trl_reward_from_group_fn(lambda p, t, u: [0.0] * len(t), 2, answer_key="ans", dataset={"prompt": ["1+2="]})
+    with pytest.raises(ValueError, match="answer_key=None"):
+        R.rlrr_trl_reward(R.arith_judge(), task, num_generations=2, mapping="supplement", answer_key=None)
+    with pytest.raises(ValueError, match="answer_key=''"):
+        R.trl_reward_from_group_fn(lambda p, t, u: [0.0] * len(t), 2, answer_key="")
+    # a reward that reads no reference answer: no column demanded
+    by_len = R.ListwiseJudge(lambda texts, _: [len(t) for t in texts])
+    fn = R.rlrr_trl_reward(by_len, task, 2, mapping="reward", answer_key=None, dataset=["prompt"])
+    assert fn(["1+2="] * 2, ["3", "44"]) == [0.0, 1.0]
+    seen = []
+    gen = R.trl_reward_from_group_fn(lambda p, t, u: seen.extend(x.answer for x in p) or [0.0] * len(t), 2, answer_key=None)
+    assert gen(["q", "q"], ["a", "b"]) == [0.0, 0.0] and seen == ["", ""]
+
+
+def test_live_group_ratio_differs_from_the_cores_reward_spread_ratio():
+    """Same group, two measures: rewards differ (core's effective_group_ratio = 1), the sign clip zeroes all advantages."""
+    from kimi_papers.core.rl import effective_group_ratio as reward_spread_ratio
+    s = torch.tensor([0.0, 1.0], dtype=torch.float64)   # a correct answer ranked below a wrong one
+    u = torch.zeros(2, dtype=torch.long)
+    adv = R.rlrr_advantages(s, torch.tensor([1, 0]), u)
+    assert reward_spread_ratio(s, u) == 1.0 and R.live_group_ratio(adv, u) == 0.0
+    assert not hasattr(R, "effective_group_ratio")  # renamed: the two functions no longer share a name
+
+
+def test_tune_lr_refuses_an_evaluation_seed_and_bad_grids():
+    with pytest.raises(ValueError, match="tune_seed"):
+        R.tune_lr(R.RunConfig(arm="grpo_binary", seeds=(99, 100)), (1e-4,), tune_seed=99)
+    with pytest.raises(ValueError, match="grid"):
+        R.tune_lr(R.RunConfig(arm="grpo_binary"), (), tune_seed=99)
+
+
+def test_tune_lr_extends_a_grid_whose_best_is_at_an_edge(monkeypatch):
+    import pandas as pd
+    calls = []
+
+    def fake_run(cfg, policy=None, progress=False):   # accuracy peaks at lr = 1e-3 (above the grid's top edge)
+        calls.append((cfg.lr, tuple(cfg.seeds)))
+        return pd.DataFrame([dict(step=cfg.steps, eval_acc=-abs(math.log10(cfg.lr) + 3.0))])
+
+    monkeypatch.setattr(R, "run_rlrr", fake_run)
+    best, scores = R.tune_lr(R.RunConfig(arm="grpo_binary", seeds=(100, 101)), (3e-5, 1e-4, 3e-4), policy=object(),
+                             tune_seed=99)
+    assert best == pytest.approx(9e-4) and len(scores) == 5 and all(s == (99,) for _, s in calls)
+    assert max(scores) == pytest.approx(2.7e-3)   # 9e-4 was itself an edge: extended once more, then it is interior

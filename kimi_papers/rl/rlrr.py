@@ -26,12 +26,12 @@ from ..core.rl import effective_group_ratio as reward_spread_ratio
 
 # %% auto #0
 __all__ = ['MAPPINGS', 'NORMS', 'STD_TOL', 'ARMS', 'average_ranks', 'check_ranks', 'rank_to_reward', 'rlrr_advantages',
-           'effective_group_ratio', 'sign_violation_rate', 'rlrr_advantages_reference', 'rlrr_token_advantages',
+           'live_group_ratio', 'sign_violation_rate', 'rlrr_advantages_reference', 'rlrr_token_advantages',
            'ranks_to_order', 'plackett_luce_loss', 'plackett_luce_reference', 'PLRanker', 'fit_pl_ranker', 'parse_int',
            'digit_overlap', 'arith_quality', 'response_features', 'ListwiseJudge', 'arith_judge', 'CloseIntegerTask',
            'NoisyScalarRM', 'rlrr_advantage', 'rlrr_group_reward', 'dense_reward', 'trl_reward_from_group_fn',
            'rlrr_trl_reward', 'rlrr_trl_advantages', 'RunConfig', 'make_task', 'arm_trainer_kwargs',
-           'group_correlation', 'seq_advantages', 'batch_metrics', 'heldout_metrics', 'run_rlrr']
+           'group_correlation', 'seq_advantages', 'batch_metrics', 'heldout_metrics', 'run_rlrr', 'tune_lr']
 
 # %% ../../nbs/rl/rlrr.ipynb #8dff040b
 MAPPINGS = ("weight", "supplement", "reward")
@@ -149,8 +149,12 @@ def rlrr_advantages(s: Tensor, s_rule: Any, uid: Any, norm: str = "std", xi_neg:
     return torch.where(ok, a.clamp(min=xi_neg), a.clamp(max=xi_pos))
 
 
-def effective_group_ratio(adv: Tensor, uid: Any, atol: float = 0.0) -> float:
-    """Fraction of groups with at least one advantage |A| > atol (adv [rows], uid [rows]): the groups that carry gradient."""
+def live_group_ratio(adv: Tensor, uid: Any, atol: float = 0.0) -> float:
+    """Fraction of groups with at least one advantage |A| > atol (adv [rows], uid [rows]): the groups that carry gradient.
+
+    Measured on advantages (after normalisation and clipping), unlike the core's `effective_group_ratio(reward, uid)`,
+    which counts groups whose rewards are not all equal: a group of differing rewards whose advantages the sign clip
+    zeroes counts there and not here."""
     if not isinstance(adv, Tensor) or adv.ndim != 1 or adv.numel() == 0:
         raise ValueError(f"adv: expected a non-empty 1-D tensor [rows], got {getattr(adv, 'shape', type(adv).__name__)}")
     inv, cnt = group_index(_uid_tensor(uid, adv.shape[0], adv.device))
@@ -507,29 +511,51 @@ def dense_reward(task: Task, tau: float = 0.1,
     return lambda problems, texts: [float(task.verify(p, t)) + tau * quality(t, p) for p, t in zip(problems, texts)]
 
 # %% ../../nbs/rl/rlrr.ipynb #e2aa28c9
+def _dataset_columns(dataset: Any) -> list[str] | None:
+    """Column names of a datasets.Dataset / DataFrame / mapping / list of names, None when `dataset` is None."""
+    if dataset is None:
+        return None
+    cols = getattr(dataset, "column_names", None)
+    if cols is None:
+        cols = list(dataset.columns) if hasattr(dataset, "columns") else list(dataset)
+    if isinstance(cols, dict):  # a DatasetDict: the columns every split has
+        cols = sorted(set.intersection(*(set(v) for v in cols.values()))) if cols else []
+    return [str(c) for c in cols]
+
+
 def trl_reward_from_group_fn(group_fn: Callable[[list, list[str], list[int]], Sequence[float]], num_generations: int,
-                             answer_key: str = "answer") -> Callable[..., list[float]]:
+                             answer_key: str | None = "answer", dataset: Any = None) -> Callable[..., list[float]]:
     """A TRL `reward_funcs` entry `fn(prompts, completions, **kw) -> list[float]` that calls `group_fn` once per group.
 
-    TRL lays a generation batch out as runs of `num_generations` rows of one prompt; the dataset column `answer_key`
-    gives each row's reference answer (the verifier's), passed to `group_fn` as a core `Problem`."""
+    TRL lays a generation batch out as runs of `num_generations` rows of one prompt. `answer_key`: the dataset column
+    with each row's reference answer, passed to `group_fn` inside a core `Problem` (for a verifier); None when
+    `group_fn` needs no answer (then `Problem.answer` is ""). `dataset` (optional, a Dataset, DataFrame or list of
+    column names): checked here, before training, to hold `answer_key`."""
     if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 2:
         raise ValueError(f"num_generations={num_generations!r}: expected an int >= 2 (a listwise reward ranks a group)")
+    if answer_key is not None and (not isinstance(answer_key, str) or not answer_key):
+        raise ValueError(f"answer_key={answer_key!r}: expected a dataset column name or None (no answer needed)")
+    cols = _dataset_columns(dataset)
+    if answer_key is not None and cols is not None and answer_key not in cols:
+        raise ValueError(f"answer_key={answer_key!r}: the dataset has no such column (columns: {cols}); add it, name "
+                         "the right one, or pass answer_key=None if the reward needs no reference answer")
     G = num_generations
 
     def reward(prompts: list, completions: list, **kw: Any) -> list[float]:
         if len(prompts) != len(completions) or len(prompts) % G:
             raise ValueError(f"prompts/completions: expected equal lengths, a multiple of num_generations={G}; "
                              f"got {len(prompts)} and {len(completions)}")
-        if answer_key not in kw:
-            raise ValueError(f"{answer_key!r}: expected a dataset column {answer_key!r} with each prompt's answer")
+        if answer_key is not None and answer_key not in kw:
+            raise ValueError(f"answer_key={answer_key!r}: TRL passed no such dataset column (got {sorted(kw)}); "
+                             "pass dataset= to check this before training, or answer_key=None if no answer is needed")
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         out: list[float] = []
         for k in range(0, len(prompts), G):
             if any(p != prompts[k] for p in prompts[k:k + G]):
                 raise ValueError(f"prompts: rows {k}..{k + G - 1} are not one prompt's group; expected TRL's layout "
                                  f"(num_generations={G} consecutive rows per prompt)")
-            probs = [Problem(prompt=str(prompts[k]), answer=str(a), solution=str(a)) for a in kw[answer_key][k:k + G]]
+            answers = kw[answer_key][k:k + G] if answer_key is not None else [""] * G
+            probs = [Problem(prompt=str(prompts[k]), answer=str(a), solution=str(a)) for a in answers]
             vals = [float(v) for v in group_fn(probs, texts[k:k + G], [k // G] * G)]
             if len(vals) != G:
                 raise ValueError(f"group_fn: expected {G} rewards for group {k // G}, got {len(vals)}")
@@ -541,9 +567,17 @@ def trl_reward_from_group_fn(group_fn: Callable[[list, list[str], list[int]], Se
 
 
 def rlrr_trl_reward(judge: ListwiseJudge, task: Task, num_generations: int, mapping: str = "supplement",
-                    tau: float = 0.1, answer_key: str = "answer") -> Callable[..., list[float]]:
-    """RLRR's rank-to-reward mapping as a TRL GRPOTrainer reward function (the same code as the core Trainer's reward)."""
-    return trl_reward_from_group_fn(rlrr_group_reward(judge, task, mapping, tau), num_generations, answer_key)
+                    tau: float = 0.1, answer_key: str | None = "answer", dataset: Any = None) -> Callable[..., list[float]]:
+    """RLRR's rank-to-reward mapping as a TRL GRPOTrainer reward function (the same code as the core Trainer's reward).
+
+    The weight and supplement mappings verify each answer, so they need `answer_key`; with the reward mapping
+    `answer_key=None` is allowed for a judge that reads no reference answer (the arithmetic judge does read it).
+    `dataset`: checked up front for the column."""
+    if mapping not in MAPPINGS:
+        raise ValueError(f"mapping={mapping!r}: expected one of {MAPPINGS}")
+    if mapping != "reward" and answer_key is None:
+        raise ValueError(f"answer_key=None: the {mapping!r} mapping verifies answers; name the dataset's answer column")
+    return trl_reward_from_group_fn(rlrr_group_reward(judge, task, mapping, tau), num_generations, answer_key, dataset)
 
 
 def rlrr_trl_advantages(rewards: Tensor, correct: Tensor | None, num_generations: int, norm: str = "std",
@@ -665,7 +699,7 @@ def batch_metrics(batch: RolloutBatch, task: Task) -> dict:
     """Signal statistics of one trained-on batch: effective groups, sign violations (with and without the clip), and
     for task O the within-group correlation of the advantage and of the reward with the hidden quality."""
     a, ok = seq_advantages(batch), batch.correct
-    out = dict(eff_adv=effective_group_ratio(a, batch.uid, atol=1e-9), sign_viol=sign_violation_rate(a, ok),
+    out = dict(eff_adv=live_group_ratio(a, batch.uid, atol=1e-9), sign_viol=sign_violation_rate(a, ok),
                sign_viol_noclip=sign_violation_rate(rlrr_advantages(batch.reward.double(), None, batch.uid), ok))
     if isinstance(task, CloseIntegerTask):
         q = [task.quality(p, t) for p, t in zip(batch.problems, batch.text)]
@@ -710,3 +744,33 @@ def run_rlrr(cfg: RunConfig | dict, policy: Policy | None = None, progress: bool
                 row.update(heldout_metrics(pol, task, evalset, cfg.max_new_tokens))
             rows.append(dict(arm=cfg.arm, seed=int(seed), step=k, **row))
     return pd.DataFrame(rows)
+
+
+def tune_lr(cfg: RunConfig, grid: Sequence[float], policy: Policy | None = None, tune_seed: int = 99,
+            metric: str | None = None, max_extend: int = 3) -> tuple[float, dict[float, float]]:
+    """The learning rate of `grid` whose one run on `tune_seed` ends with the best held-out metric (accuracy on task V,
+    hidden quality on task O; ties go to the smaller rate). A best at an edge extends the grid by a factor 3 that way,
+    up to `max_extend` times. Returns (best lr, {lr: score}); `tune_seed` must not be one of cfg's evaluation seeds."""
+    if not grid or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in grid):
+        raise ValueError(f"grid={grid!r}: expected learning rates > 0")
+    if tune_seed in cfg.seeds:
+        raise ValueError(f"tune_seed={tune_seed}: is an evaluation seed of cfg ({list(cfg.seeds)}); tune on another seed")
+    metric = metric or ("eval_acc" if cfg.kind == "V" else "eval_quality")
+    policy = policy if policy is not None else warm_arith_policy(progress=False)[0]
+    scores: dict[float, float] = {}
+
+    def score(lr: float) -> None:
+        d = run_rlrr(replace(cfg, seeds=(tune_seed,), lr=float(lr)), policy)
+        scores[float(lr)] = float(d[d.step == cfg.steps][metric].mean())
+
+    for lr in sorted(grid):
+        score(lr)
+    for _ in range(max_extend):
+        best = min(scores, key=lambda k: (-scores[k], k))
+        if best == min(scores):
+            score(best / 3)
+        elif best == max(scores):
+            score(best * 3)
+        else:
+            break
+    return min(scores, key=lambda k: (-scores[k], k)), dict(sorted(scores.items()))
