@@ -668,7 +668,7 @@ def tune_lrs(text: Tensor, super_of: Tensor, cfg: FlowConfig, grid: Sequence[flo
              max_extend: int = 2, progress: Callable | None = None) -> tuple[pd.DataFrame, dict[str, float]]:
     """Pick each arm's lr on the same grid by its accuracy on a tuning task (seed `seed`, which must not be an evaluation
     seed), averaged over `shots`; a pick at the grid's edge extends the grid by one ratio step that way, up to `max_extend`
-    times. Returns (one row per arm, lr, shots with the tuning accuracy and the count of `LorentzDomainWarning`s, e.g. a
+    times. Returns (one row per arm, lr, shots with the tuning accuracy and the count of `LorentzDomainWarning` warnings, e.g. a
     diverging lr clipping its steps; the chosen lr per arm)."""
     grid = sorted(float(g) for g in grid)
     if len(grid) < 2 or grid[0] <= 0:

@@ -329,9 +329,10 @@ def run_report(b, recorded, profile: str, width: int | None = None) -> str:
     recorded_status = {(r.paper, r.claim): r.status for r in rec.itertuples()}
     for r in claims.itertuples():
         right = f"  {r.ours}  {profile}: {r.status}  | recorded: {recorded_status.get((r.paper, r.claim), '-')}"
-        left = f"  {r.paper}/{r.claim}: {r.statement}"
-        room = max(20, width - len(right))
-        out.append((left if len(left) <= room else left[: room - 1] + "…") + right)
+        ident = f"  {r.paper}/{r.claim}: "  # the id is never cut, only the statement
+        room = width - len(right) - len(ident)
+        stmt = r.statement if len(r.statement) <= room else (r.statement[: room - 1] + "…" if room > 1 else "")
+        out.append(ident + stmt + right)
     return "\n".join(out)
 
 
