@@ -429,6 +429,7 @@ def _resolve_row(paper: str, claims: dict, cid: str, profile: str, memo: dict, s
     item = claims[cid]
     claim, run = _claim_from(paper, cid, item), item["runs"][profile]
     own, why = _row_status(claim, run)
+    run["own_status"] = own
     gates = _gate_reasons(paper, claims, claim, own, profile, memo, stack)
     status = claim.statuses[2] if gates else own
     memo[cid] = (status, "; ".join(gates + ([why] if why else [])))
@@ -443,10 +444,7 @@ def resolve(data: dict) -> dict:
         memo: dict = {}
         for cid, item in claims.items():
             if prof in item.get("runs", {}):
-                status, reason = _resolve_row(paper, claims, cid, prof, memo)
-                run = item["runs"][prof]
-                run["own_status"] = _row_status(_claim_from(paper, cid, item), run)[0]
-                run["status"], run["reason"] = status, reason
+                item["runs"][prof]["status"], item["runs"][prof]["reason"] = _resolve_row(paper, claims, cid, prof, memo)
     return data
 
 # %% ../../nbs/core/ledger.ipynb #54f41172
