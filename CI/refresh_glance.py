@@ -15,7 +15,7 @@ from kimi_papers.core.io import atomic_write_text
 from kimi_papers.core.ledger import ledger_dir, results_path
 
 ROOT = Path(__file__).resolve().parents[1]
-GLANCE = re.compile(r'ledger\.glance\("([a-z0-9_]+)"(, update=True)?\)')
+GLANCE = re.compile(r'(?:ledger|board)\.glance\("([a-z0-9_]+)"(, update=True)?\)')
 
 
 def refresh(path: Path) -> bool:

@@ -12,12 +12,12 @@ import random
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 # %% auto #0
 __all__ = ['SettingsError', 'project_root', 'Settings', 'load_settings', 'settings', 'results_dir', 'ledger_dir',
            'model_cache_dir', 'runs_dir', 'check_profile', 'is_like', 'check_int', 'check_like', 'pick_profile',
-           'resolve_device', 'seed_everything', 'configure_threads', 'device_name', 'run_banner']
+           'resolve_device', 'seed_everything', 'configure_threads', 'device_name', 'run_banner', 'moved_names']
 
 # %% ../../nbs/core/config.ipynb #d76975a9
 _SCHEMA: dict[str, dict[str, type]] = {
@@ -318,3 +318,19 @@ def run_banner(profile: str, seed: int | None = None, device: "torch.device | st
     when = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     seed_txt = f", seed {seed}" if seed is not None else ""
     return f"**Run:** profile `{profile}`{seed_txt} on {device_name(device)}, {when}, kimi_papers {__version__}."
+
+# %% ../../nbs/core/config.ipynb #f800559d
+def moved_names(module: str, names: Iterable[str], to: str) -> Callable[[str], Any]:
+    """A module `__getattr__` that resolves each of `names` from module `to` (imported on first use) with a DeprecationWarning."""
+    import importlib
+    import warnings
+
+    moved = frozenset(names)
+
+    def __getattr__(name: str) -> Any:
+        if name not in moved:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{module}.{name} moved to {to}.{name}; import it from there", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(to), name)
+
+    return __getattr__

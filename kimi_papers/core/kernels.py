@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import torch
 from torch import Tensor
 
-from .config import device_name as config_device_name, settings
+from .config import device_name as config_device_name, moved_names, settings
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -322,13 +322,8 @@ def benchmark(fns: Mapping[str, Callable], *args: Any, warmup: int = 2, repeat: 
                                        backward=backward, memory=memory, rounds=rounds))
 
 # %% ../../nbs/core/kernels.ipynb #7cafd516
-_MOVED = ("STATS", "TokenStats", "token_stats", "token_stats_from_logits", "token_stats_reference",
-          "logp_entropy_eager", "gumbel_noise", "sample_next")
-
-
-def __getattr__(name: str) -> Any:
-    """The token-statistics kernel moved to `core.token_stats`; its public names still resolve here."""
-    if name in _MOVED:
-        from kimi_papers.core import token_stats as _ts
-        return getattr(_ts, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The token-statistics kernel moved to `core.token_stats` (which builds on this module); its public names still
+# resolve here, with a DeprecationWarning, loaded by name so there is no import cycle.
+__getattr__ = moved_names(__name__, ("STATS", "TokenStats", "token_stats", "token_stats_from_logits",
+                                     "token_stats_reference", "logp_entropy_eager", "gumbel_noise", "sample_next"),
+                          "kimi_papers.core.token_stats")

@@ -713,9 +713,6 @@ def check_results(folder: Path | None = None) -> list[str]:
     return problems
 
 # %% ../../nbs/core/ledger.ipynb #7123e226
-def __getattr__(name: str) -> Any:
-    """`ledger.board()`, `ledger.glance()` and `ledger.Board` resolve to kimi_papers.core.board (imported lazily: it imports this module)."""
-    if name in ("Board", "board", "glance"):
-        from kimi_papers.core import board as _board
-        return getattr(_board, name)
-    raise AttributeError(f"module 'kimi_papers.core.ledger' has no attribute {name!r}")
+# `ledger.board()`, `ledger.glance()` and `ledger.Board` live in kimi_papers.core.board, which reads results through
+# this module; the names still resolve here (with a DeprecationWarning), loaded by name so there is no import cycle.
+__getattr__ = config.moved_names(__name__, ("Board", "board", "glance"), "kimi_papers.core.board")

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import check_int
+from .config import check_int, moved_names
 
 # %% auto #0
 __all__ = ['Factory', 'LORA_TARGETS', 'LMConfig', 'RMSNorm', 'make_norm', 'apply_rope', 'Attention', 'activation', 'MLP',
@@ -407,12 +407,7 @@ def apply_lora_factors(model: nn.Module, factors: dict[str, Tensor], alpha: floa
     return model
 
 # %% ../../nbs/core/nn.ipynb #6440f82f
-_MOVED = ("Corpus", "stdlib_corpus", "cosine_lr", "wsd_lr", "SCHEDULES", "lm_loss", "masked_lm_loss", "TrainResult", "train")
-
-
-def __getattr__(name: str):
-    """The corpus, schedules and training loop moved to `core.train`; their names still resolve here."""
-    if name in _MOVED:
-        from kimi_papers.core import train as _train
-        return getattr(_train, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The corpus, schedules and training loop moved to `core.train` (which builds on this module); their names still
+# resolve here, with a DeprecationWarning, loaded by name so there is no import cycle.
+__getattr__ = moved_names(__name__, ("Corpus", "stdlib_corpus", "cosine_lr", "wsd_lr", "SCHEDULES", "lm_loss",
+                                     "masked_lm_loss", "TrainResult", "train"), "kimi_papers.core.train")

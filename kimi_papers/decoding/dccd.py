@@ -25,7 +25,7 @@ from ..core.rl.rollout import KVDecoder, Policy, generate
 try:  # the lead is moving the sampler into core.token_stats; fall back to its old home
     from kimi_papers.core.token_stats import gumbel_noise, sample_next
 except ImportError:  # pragma: no cover
-    from kimi_papers.core.kernels import gumbel_noise, sample_next
+    from kimi_papers.core.token_stats import gumbel_noise, sample_next
 
 log = logging.getLogger(__name__)
 
