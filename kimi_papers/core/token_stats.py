@@ -17,7 +17,7 @@ from .kernels import compile_fn, compiled_ran
 
 # %% auto #0
 __all__ = ['STATS', 'sample_next_compiled', 'TokenStats', 'token_stats', 'token_stats_from_logits', 'token_stats_reference',
-           'logp_entropy_eager', 'gumbel_noise', 'sample_next']
+           'logp_entropy_eager', 'gumbel_noise', 'sample_next', 'kl_categorical']
 
 # %% ../../nbs/core/token_stats.ipynb #ac55fe54
 STATS = ("logp", "entropy", "sum_pi2")
@@ -361,3 +361,10 @@ def sample_next(logits: Tensor, temperature: float | Tensor, top_p: float | Tens
     tp = _per_row("top_p", top_p, rows, logits.device, 0.0, 1.0)
     fn = sample_next_compiled if compiled else _sample_core
     return fn(logits.reshape(rows, V), inv_t, tp, noise.reshape(rows, V).float()).reshape(logits.shape[:-1])
+
+# %% ../../nbs/core/token_stats.ipynb #9acd46df
+def kl_categorical(logp: Tensor, logq: Tensor) -> Tensor:
+    """KL(p ‖ q) in nats per row [...] from log-probabilities logp, logq [..., V] (float32 or wider; no renormalising)."""
+    if logp.shape != logq.shape:
+        raise ValueError(f"logp, logq: expected the same shape [..., V], got {tuple(logp.shape)} and {tuple(logq.shape)}")
+    return (logp.exp() * (logp - logq)).sum(-1)

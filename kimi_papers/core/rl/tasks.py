@@ -13,7 +13,7 @@ import zlib
 from dataclasses import dataclass
 
 # %% auto #0
-__all__ = ['Problem', 'Task', 'ArithmeticTask', 'eval_expression', 'CountdownTask']
+__all__ = ['Problem', 'Task', 'last_integer', 'ArithmeticTask', 'eval_expression', 'CountdownTask']
 
 # %% ../../../nbs/core/rl/tasks.ipynb #0fcdbac9
 @dataclass(frozen=True)
@@ -78,6 +78,17 @@ class Task:
             return out
         raise ValueError(f"n={n}: {self.name} has only {len(out)} distinct held-out problems")
 
+# %% ../../../nbs/core/rl/tasks.ipynb #0d1211c6
+_LAST_INT = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> int | None:
+    """The last integer in `text` (commas dropped, so "1,234" reads 1234), or None when there is none."""
+    if not isinstance(text, str):
+        raise TypeError(f"text: expected a str, got {type(text).__name__}")
+    found = _LAST_INT.findall(text.replace(",", ""))
+    return int(found[-1]) if found else None
+
 # %% ../../../nbs/core/rl/tasks.ipynb #b6930fd0
 class ArithmeticTask(Task):
     """`a op b =` with operands of up to `digits` digits (the difficulty knob); the answer is the exact integer.
@@ -112,8 +123,8 @@ class ArithmeticTask(Task):
     def verify(self, problem: Problem, response: str) -> bool:
         if self.extract == "exact":
             return response.strip() == problem.answer
-        found = re.findall(r"-?\d+", response.replace(",", ""))
-        return bool(found) and int(found[-1]) == int(problem.answer)
+        found = last_integer(response)
+        return found is not None and found == int(problem.answer)
 
 # %% ../../../nbs/core/rl/tasks.ipynb #9d66c126
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
