@@ -274,16 +274,22 @@ class KVDecoder:
 
     `repeat=n` prefills each prompt once and gives it n consecutive rows (rows = len(prompts) * n), as for a group of
     samples; `taps` are submodules whose output at the last position is kept after every forward in `tapped`
-    (one [rows, ...] tensor per tap), e.g. a layer norm whose output a test-time predictor reads."""
+    (one [rows, ...] tensor per tap), e.g. a layer norm whose output a test-time predictor reads.
+
+    Decoding builds no autograd graph (forwards and `logits()` run under `torch.no_grad()`, so a long decode does not
+    hold every step's activations); `grad=True` keeps the graph for a caller that differentiates through it."""
 
     def __init__(self, policy: Policy, prompts: Sequence[Sequence[int]], *, repeat: int = 1,
-                 taps: Sequence[nn.Module] = ()):
+                 taps: Sequence[nn.Module] = (), grad: bool = False):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts: expected a non-empty list of non-empty token-id lists")
         if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
             raise ValueError(f"repeat={repeat!r}: expected an int >= 1")
         if any(not isinstance(m, nn.Module) for m in taps):
             raise TypeError("taps: expected a sequence of nn.Module (submodules of the policy's model)")
+        if not isinstance(grad, bool):
+            raise TypeError(f"grad={grad!r}: expected a bool (True keeps the autograd graph of the decode)")
+        self.grad = grad
         self.policy, dev, self.taps, self.tapped = policy, policy.device, tuple(taps), []
         self.W, self.b = policy.head()
         ids, attn = (t.to(dev) for t in _left_pad(prompts, policy.pad_id))
@@ -306,7 +312,8 @@ class KVDecoder:
             return hook
         handles = [m.register_forward_hook(keep(i)) for i, m in enumerate(self.taps)]
         try:
-            out = self.base(**kw)
+            with torch.set_grad_enabled(self.grad):
+                out = self.base(**kw)
         finally:
             for h in handles:
                 h.remove()
@@ -317,7 +324,8 @@ class KVDecoder:
 
     def logits(self) -> torch.Tensor:
         """Next-token logits [rows, V] float32 from the last hidden state."""
-        return (self.h @ self.W.T + (self.b if self.b is not None else 0)).float()
+        with torch.set_grad_enabled(self.grad):
+            return (self.h @ self.W.T + (self.b if self.b is not None else 0)).float()
 
     def step(self, tok: torch.Tensor) -> None:
         """Append one token per row [rows] long and advance the cache."""
