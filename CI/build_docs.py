@@ -355,7 +355,8 @@ def root_toctree(groups: dict[str, list[Path]], api: bool) -> str:
 
 def load_board(results_dir: Path | None) -> Any | None:
     """The `kimi_papers.core.ledger.Board` of a results folder, or None when no result is recorded yet."""
-    from kimi_papers.core.ledger import board, ledger_dir
+    from kimi_papers.core.board import board
+    from kimi_papers.core.ledger import ledger_dir
     rdir = Path(results_dir) if results_dir else ledger_dir()
     if not sorted(rdir.glob("*.json")):
         return None
