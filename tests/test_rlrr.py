@@ -17,6 +17,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from kimi_papers.core.rl import (ArithmeticTask, Problem, RolloutBatch, TRL_GRPO_EPS, get_advantage,  # noqa: E402
                                  group_rewards)
 from kimi_papers.rl import rlrr as R  # noqa: E402
+from kimi_papers.rl import rlrr_experiment as RE  # noqa: E402
 
 HAVE_TRL = importlib.util.find_spec("trl") is not None
 needs_trl = pytest.mark.skipif(not HAVE_TRL, reason="TRL is an optional extra: pip install 'kimi_papers[trl]'")
@@ -149,7 +150,7 @@ def test_pl_ranker_learns_a_linear_order():
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(32, 4, 3, generator=g)
     order = (feats @ torch.tensor([1.0, -2.0, 0.5])).argsort(-1, descending=True)
-    ranker, losses = R.fit_pl_ranker(feats, order, steps=100, seed=0)
+    ranker, losses = RE.fit_pl_ranker(feats, order, steps=100, seed=0)
     assert losses[-1] < 0.5 * losses[0]
     agree = (ranker.rank(feats) == order.argsort(-1) + 1).all(-1).double().mean()
     assert agree > 0.7, agree
@@ -158,45 +159,45 @@ def test_pl_ranker_learns_a_linear_order():
 # ---- the judge
 def test_judge_order_noise_and_determinism():
     p = Problem("12+30=", "42", "42")
-    j = R.arith_judge(seed=0)
+    j = RE.arith_judge(seed=0)
     assert j.rank(["42", "41", "x", "142"], p).tolist() == [1, 2, 4, 3]
     assert j.rank(["42", "42", "40", "-"], p)[2:].tolist() == [3, 4]   # exact ties broken at random, invalid last
     nan_judge = R.ListwiseJudge(lambda t, _: [1.0, math.nan, 0.5], seed=0)
     assert nan_judge.rank(["a", "b", "c"], p).tolist() == [1, 3, 2]      # NaN scores rank last
     short = R.ListwiseJudge(lambda t, _: [0.0, 0.0], seed=0)
     assert short.rank(["long", "s"], p).tolist() == [2, 1]               # equal scores: shorter first
-    noisy = R.arith_judge(noise=1.0, seed=0)                              # every adjacent pair swapped in turn
+    noisy = RE.arith_judge(noise=1.0, seed=0)                              # every adjacent pair swapped in turn
     assert noisy.order(["42", "41", "40", "30"], p) == [1, 2, 3, 0]
     texts = ["7", "8", "9", "40"]
-    assert torch.equal(R.arith_judge(0.3, 5).rank(texts, p), R.arith_judge(0.3, 5).rank(texts, p))
+    assert torch.equal(RE.arith_judge(0.3, 5).rank(texts, p), RE.arith_judge(0.3, 5).rank(texts, p))
     with pytest.raises(ValueError, match="G >= 2"):
         j.rank(["42"], p)
     with pytest.raises(ValueError, match="noise"):
-        R.arith_judge(noise=1.5)
+        RE.arith_judge(noise=1.5)
     with pytest.raises(ValueError, match="score_fn: expected 3"):
         R.ListwiseJudge(lambda t, _: [1.0]).rank(["a", "b", "c"], p)
 
 
 def test_noisy_rm_and_close_task():
-    task = R.CloseIntegerTask()
+    task = RE.CloseIntegerTask()
     p = Problem("60+40=", "100", "100")
     assert task.quality(p, "100") == 1.0 and task.quality(p, "101") == pytest.approx(math.exp(-0.1)) and task.quality(p, "99") == 0.0
     assert task.quality(p, "1000") == 0.0 and task.quality(p, "abc") == 0.0
-    clean = R.NoisyScalarRM(task.quality, seed=3, noise="none")
+    clean = RE.NoisyScalarRM(task.quality, seed=3, noise="none")
     a, b = clean.prompt_params(p.prompt)
     assert clean.scores(["100", "101"], p) == pytest.approx([a * math.exp(b), a * math.exp(b * math.exp(-0.1))])
-    t, gs = R.NoisyScalarRM(task.quality, seed=0, noise="t"), R.NoisyScalarRM(task.quality, seed=0, noise="gauss")
+    t, gs = RE.NoisyScalarRM(task.quality, seed=0, noise="t"), RE.NoisyScalarRM(task.quality, seed=0, noise="gauss")
     et, eg = t._eps(200_000), gs._eps(200_000)
     import numpy as np
     assert abs(np.median(np.abs(et)) / np.median(np.abs(eg)) - 1) < 0.02  # same median |noise|
     assert np.abs(et).max() > 5 * np.abs(eg).max()                       # t_2 has the heavy tail
     with pytest.raises(ValueError, match="noise"):
-        R.NoisyScalarRM(task.quality, noise="cauchy")
+        RE.NoisyScalarRM(task.quality, noise="cauchy")
 
 
 def test_registered_advantage_and_group_reward():
     task = ArithmeticTask(digits=2)
-    fn = R.rlrr_group_reward(R.arith_judge(seed=0), task, "supplement", 0.1)
+    fn = R.rlrr_group_reward(RE.arith_judge(seed=0), task, "supplement", 0.1)
     probs = [Problem("1+2=", "3", "3")] * 4 + [Problem("5+5=", "10", "10")] * 4
     texts = ["3", "4", "x", "30", "1", "2", "11", "9"]
     uid = torch.arange(2).repeat_interleave(4)
@@ -213,14 +214,14 @@ def test_registered_advantage_and_group_reward():
         get_advantage("rlrr")(RolloutBatch(input_ids=batch.input_ids, attn_mask=batch.attn_mask,
                                            resp_mask=batch.resp_mask, reward=r, uid=uid))
     with pytest.raises(ValueError, match="arm"):
-        R.RunConfig(arm="ppo")
+        RE.RunConfig(arm="ppo")
     with pytest.raises(ValueError, match="group_size"):
-        R.RunConfig(arm="rlrr_supplement", group_size=1)
+        RE.RunConfig(arm="rlrr_supplement", group_size=1)
 
 
 def test_trl_reward_layout_errors():
     task = ArithmeticTask(digits=2)
-    fn = R.rlrr_trl_reward(R.arith_judge(), task, num_generations=2)
+    fn = R.rlrr_trl_reward(RE.arith_judge(), task, num_generations=2)
     assert fn(["1+2=", "1+2="], ["3", "4"], answer=["3", "3"]) == pytest.approx([1 + 0.1 * math.tanh(1), 0.0])
     with pytest.raises(ValueError, match="one prompt's group"):
         fn(["1+2=", "2+2="], ["3", "4"], answer=["3", "4"])
@@ -229,7 +230,7 @@ def test_trl_reward_layout_errors():
     with pytest.raises(ValueError, match="answer_key='answer'"):
         fn(["1+2="] * 2, ["3"] * 2)
     with pytest.raises(ValueError, match="num_generations"):
-        R.rlrr_trl_reward(R.arith_judge(), task, num_generations=1)
+        R.rlrr_trl_reward(RE.arith_judge(), task, num_generations=1)
 
 
 # ---- inside TRL's GRPOTrainer
@@ -244,7 +245,7 @@ def test_two_grpo_trainer_steps_match_the_core(mapping):
     alphabet = ArithmeticTask.alphabet
     ctok = CharTokenizer(alphabet)
     task = ArithmeticTask(digits=2)
-    judge = R.arith_judge(seed=0)
+    judge = RE.arith_judge(seed=0)
     G = 4
     calls, batches = [], []
     inner = R.rlrr_trl_reward(judge, task, G, mapping, 0.1)
@@ -298,11 +299,11 @@ def test_two_grpo_trainer_steps_match_the_core(mapping):
 def test_trl_reward_answer_column_checked_up_front():
     task = ArithmeticTask(digits=2)
     with pytest.raises(ValueError, match="answer_key='answer'.*no such column"):
-        R.rlrr_trl_reward(R.arith_judge(), task, num_generations=2, dataset=["prompt", "solution"])
+        R.rlrr_trl_reward(RE.arith_judge(), task, num_generations=2, dataset=["prompt", "solution"])
     with pytest.raises(ValueError, match="answer_key='ans'"):
         R.trl_reward_from_group_fn(lambda p, t, u: [0.0] * len(t), 2, answer_key="ans", dataset={"prompt": ["1+2="]})
     with pytest.raises(ValueError, match="answer_key=None"):
-        R.rlrr_trl_reward(R.arith_judge(), task, num_generations=2, mapping="supplement", answer_key=None)
+        R.rlrr_trl_reward(RE.arith_judge(), task, num_generations=2, mapping="supplement", answer_key=None)
     with pytest.raises(ValueError, match="answer_key=''"):
         R.trl_reward_from_group_fn(lambda p, t, u: [0.0] * len(t), 2, answer_key="")
     # a reward that reads no reference answer: no column demanded
@@ -326,9 +327,9 @@ def test_live_group_ratio_differs_from_the_cores_reward_spread_ratio():
 
 def test_tune_lr_refuses_an_evaluation_seed_and_bad_grids():
     with pytest.raises(ValueError, match="tune_seed"):
-        R.tune_lr(R.RunConfig(arm="grpo_binary", seeds=(99, 100)), (1e-4,), tune_seed=99)
+        RE.tune_lr(RE.RunConfig(arm="grpo_binary", seeds=(99, 100)), (1e-4,), tune_seed=99)
     with pytest.raises(ValueError, match="grid"):
-        R.tune_lr(R.RunConfig(arm="grpo_binary"), (), tune_seed=99)
+        RE.tune_lr(RE.RunConfig(arm="grpo_binary"), (), tune_seed=99)
 
 
 def test_tune_lr_extends_a_grid_whose_best_is_at_an_edge(monkeypatch):
@@ -339,8 +340,8 @@ def test_tune_lr_extends_a_grid_whose_best_is_at_an_edge(monkeypatch):
         calls.append((cfg.lr, tuple(cfg.seeds)))
         return pd.DataFrame([dict(step=cfg.steps, eval_acc=-abs(math.log10(cfg.lr) + 3.0))])
 
-    monkeypatch.setattr(R, "run_rlrr", fake_run)
-    best, scores = R.tune_lr(R.RunConfig(arm="grpo_binary", seeds=(100, 101)), (3e-5, 1e-4, 3e-4), policy=object(),
+    monkeypatch.setattr(RE, "run_rlrr", fake_run)
+    best, scores = RE.tune_lr(RE.RunConfig(arm="grpo_binary", seeds=(100, 101)), (3e-5, 1e-4, 3e-4), policy=object(),
                              tune_seed=99)
     assert best == pytest.approx(9e-4) and len(scores) == 5 and all(s == (99,) for _, s in calls)
     assert max(scores) == pytest.approx(2.7e-3)   # 9e-4 was itself an edge: extended once more, then it is interior

@@ -5,33 +5,23 @@
 # %% ../../nbs/rl/rlrr.ipynb #b24dc2d1
 from __future__ import annotations
 
-import copy
-import itertools
 import math
 import random
-import re
 import zlib
-from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-import numpy as np
-import pandas as pd
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from ..core.config import moved_names
 from ..core.kernels import compile_fn
-from ..core.rl import (ArithmeticTask, Policy, Problem, RolloutBatch, Task, Trainer, generate, group_index,
-                                 group_rewards, register_advantage, warm_arith_policy)
-from ..core.rl import effective_group_ratio as reward_spread_ratio
+from ..core.rl import Problem, RolloutBatch, Task, group_index, register_advantage
 
 # %% auto #0
-__all__ = ['MAPPINGS', 'NORMS', 'STD_TOL', 'ARMS', 'average_ranks', 'check_ranks', 'rank_to_reward', 'rlrr_advantages',
+__all__ = ['MAPPINGS', 'NORMS', 'STD_TOL', 'average_ranks', 'check_ranks', 'rank_to_reward', 'rlrr_advantages',
            'live_group_ratio', 'sign_violation_rate', 'rlrr_advantages_reference', 'rlrr_token_advantages',
-           'ranks_to_order', 'plackett_luce_loss', 'plackett_luce_reference', 'PLRanker', 'fit_pl_ranker', 'parse_int',
-           'digit_overlap', 'arith_quality', 'response_features', 'ListwiseJudge', 'arith_judge', 'CloseIntegerTask',
-           'NoisyScalarRM', 'rlrr_advantage', 'rlrr_group_reward', 'dense_reward', 'trl_reward_from_group_fn',
-           'rlrr_trl_reward', 'rlrr_trl_advantages', 'RunConfig', 'make_task', 'arm_trainer_kwargs',
-           'group_correlation', 'seq_advantages', 'batch_metrics', 'heldout_metrics', 'run_rlrr', 'tune_lr']
+           'ranks_to_order', 'plackett_luce_loss', 'plackett_luce_reference', 'ListwiseJudge', 'rlrr_advantage',
+           'rlrr_group_reward', 'trl_reward_from_group_fn', 'rlrr_trl_reward', 'rlrr_trl_advantages']
 
 # %% ../../nbs/rl/rlrr.ipynb #8dff040b
 MAPPINGS = ("weight", "supplement", "reward")
@@ -284,87 +274,6 @@ def plackett_luce_reference(scores: Sequence[float], order: Sequence[int]) -> fl
         rest = rest[1:]
     return logp
 
-# %% ../../nbs/rl/rlrr.ipynb #b2cabb28
-class PLRanker(nn.Module):
-    """A tiny listwise scorer: an MLP over per-response features [..., G, feat_dim] -> scores [..., G]."""
-
-    def __init__(self, feat_dim: int, hidden: int = 16):
-        super().__init__()
-        if not isinstance(feat_dim, int) or feat_dim < 1 or not isinstance(hidden, int) or hidden < 1:
-            raise ValueError(f"feat_dim={feat_dim!r}, hidden={hidden!r}: expected ints >= 1")
-        self.feat_dim = feat_dim
-        self.net = nn.Sequential(nn.Linear(feat_dim, hidden), nn.Tanh(), nn.Linear(hidden, 1))
-
-    def forward(self, feats: Tensor) -> Tensor:
-        if feats.shape[-1] != self.feat_dim:
-            raise ValueError(f"feats: expected last dim {self.feat_dim}, got {tuple(feats.shape)}")
-        return self.net(feats).squeeze(-1)
-
-    @torch.no_grad()
-    def rank(self, feats: Tensor) -> Tensor:
-        """Strict ranks [..., G] long (1 = highest score; ties by index) of one or more groups of features."""
-        order = self(feats).argsort(dim=-1, descending=True, stable=True)
-        return order.argsort(-1) + 1
-
-
-def fit_pl_ranker(feats: Tensor, order: Tensor, *, steps: int = 300, lr: float = 3e-2, hidden: int = 16,
-                  seed: int = 0) -> tuple[PLRanker, list[float]]:
-    """Fit a PLRanker by full-batch Adam on the mean Plackett-Luce NLL of orderings order [N, G] of feats [N, G, F]."""
-    if feats.ndim != 3 or tuple(order.shape) != tuple(feats.shape[:2]):
-        raise ValueError(f"feats/order: expected [N, G, F] and [N, G], got {tuple(feats.shape)} and {tuple(order.shape)}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r}: expected an int >= 1")
-    torch.manual_seed(seed)
-    ranker = PLRanker(feats.shape[-1], hidden).to(feats.device, feats.dtype)
-    opt = torch.optim.Adam(ranker.parameters(), lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss = plackett_luce_loss(ranker(feats), order).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return ranker.eval(), losses
-
-# %% ../../nbs/rl/rlrr.ipynb #1f639033
-_INT = re.compile(r"^\s*(-?\d+)\s*$")
-
-
-def parse_int(text: str) -> int | None:
-    """The integer a response consists of (optional minus, digits, surrounding spaces), else None."""
-    m = _INT.match(text) if isinstance(text, str) else None
-    return int(m.group(1)) if m else None
-
-
-def digit_overlap(n: int, x: int) -> float:
-    """Share of digit positions (right-aligned, over the longer number) where |n| and |x| agree; 0 on a sign mismatch."""
-    if (n < 0) != (x < 0):
-        return 0.0
-    a, b = str(abs(n)), str(abs(x))
-    L = max(len(a), len(b))
-    a, b = a.rjust(L, " "), b.rjust(L, " ")
-    return sum(p == q for p, q in zip(a, b)) / L
-
-
-def arith_quality(text: str, problem: Problem) -> float:
-    """Dense quality in [0, 1] of an arithmetic answer: 0.75 / (1 + log(1 + |n - x|)) + 0.25 digit overlap; 0 if unparsable."""
-    n = parse_int(text)
-    if n is None:
-        return 0.0
-    x = int(problem.answer)
-    return 0.75 / (1.0 + math.log1p(abs(n - x))) + 0.25 * digit_overlap(n, x)
-
-
-def response_features(texts: Sequence[str], problem: Problem) -> Tensor:
-    """Features [G, 4] float32 of a group's responses: valid, log(1+|n-x|) (6 if invalid), digit overlap, length / 5."""
-    rows = []
-    for t in texts:
-        n = parse_int(t)
-        x = int(problem.answer)
-        rows.append([float(n is not None), math.log1p(abs(n - x)) if n is not None else 6.0,
-                     digit_overlap(n, x) if n is not None else 0.0, len(t) / 5.0])
-    return torch.tensor(rows, dtype=torch.float32)
-
 # %% ../../nbs/rl/rlrr.ipynb #f50a2171
 class ListwiseJudge:
     """A programmatic listwise ranker: sorts a group by validity, score (NaN last), shorter length, a seeded tie-break.
@@ -410,73 +319,6 @@ class ListwiseJudge:
         ranks[torch.tensor(order)] = torch.arange(1, len(order) + 1)
         return ranks
 
-
-def arith_judge(noise: float = 0.0, seed: int = 0) -> ListwiseJudge:
-    """The arithmetic judge: valid integer first, then `arith_quality`, then shorter, then a seeded tie-break."""
-    return ListwiseJudge(lambda texts, p: [arith_quality(t, p) for t in texts], noise=noise, seed=seed,
-                         valid_fn=lambda t, p: parse_int(t) is not None)
-
-# %% ../../nbs/rl/rlrr.ipynb #713e5800
-class CloseIntegerTask(ArithmeticTask):
-    """Task O: prompt `a±b=` read as "write an integer close to X = a±b with exactly k digits" (k = digits of X).
-
-    Hidden quality q = exp(-|n - X| / max(|X| / 10, 1)) if n has k digits, else 0 (a 10 % miss costs a factor e);
-    `verify` is exact (n == X), for reports only."""
-
-    def __init__(self, digits: int = 2, ops: str = "+-"):
-        super().__init__(digits=digits, ops=ops)
-        self.name = f"close{digits}{ops}"
-
-    def quality(self, problem: Problem, text: str) -> float:
-        n, x = parse_int(text), int(problem.answer)
-        if n is None or len(str(abs(n))) != len(str(abs(x))):
-            return 0.0
-        return math.exp(-abs(n - x) / max(abs(x) / 10, 1.0))
-
-    def reward(self, problem: Problem, response: str) -> float:
-        return self.quality(problem, response)
-
-
-_T2_MAD = 0.8164965809277260   # median |t_2| = sqrt(2/3)
-_N_MAD = 0.6744897501960817    # median |N(0,1)|
-
-
-class NoisyScalarRM:
-    """A distorted scalar reward model: a_x exp(b_x q) + a_x sigma eps, a_x ~ logU(0.1, 10), b_x ~ U(0.5, 3) per prompt.
-
-    eps is Student-t(2) (`noise="t"`) or Gaussian scaled to the same median |eps| (`noise="gauss"`); one draw per score."""
-
-    def __init__(self, quality_fn: Callable[[Problem, str], float], seed: int = 0, noise: str = "t", sigma: float = 0.25,
-                 df: float = 2.0):
-        if noise not in ("t", "gauss", "none"):
-            raise ValueError(f"noise={noise!r}: expected 't', 'gauss' or 'none'")
-        if not (isinstance(sigma, (int, float)) and sigma >= 0) or not df > 0:
-            raise ValueError(f"sigma={sigma!r}, df={df!r}: expected sigma >= 0 and df > 0")
-        self.quality_fn, self.seed, self.noise, self.sigma, self.df = quality_fn, int(seed), noise, float(sigma), float(df)
-        self.rng = np.random.default_rng(seed)
-
-    def prompt_params(self, prompt: str) -> tuple[float, float]:
-        """(a_x, b_x) of a prompt: fixed by the RM seed and the prompt text."""
-        r = random.Random(zlib.crc32(f"{self.seed}\x1e{prompt}".encode()))
-        return math.exp(r.uniform(math.log(0.1), math.log(10.0))), r.uniform(0.5, 3.0)
-
-    def _eps(self, n: int) -> np.ndarray:
-        if self.noise == "none":
-            return np.zeros(n)
-        if self.noise == "t":
-            return self.rng.standard_t(self.df, n)
-        return self.rng.standard_normal(n) * (_T2_MAD / _N_MAD)
-
-    def scores(self, texts: Sequence[str], problem: Problem) -> list[float]:
-        """Noisy scores of a group's responses to one problem."""
-        a, b = self.prompt_params(problem.prompt)
-        q = np.array([self.quality_fn(problem, t) for t in texts])
-        return list(a * np.exp(b * q) + a * self.sigma * self._eps(len(texts)))
-
-    def score_rows(self, problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:
-        """Noisy scores row by row (a Trainer `reward_fn`)."""
-        return [self.scores([t], p)[0] for p, t in zip(problems, texts)]
-
 # %% ../../nbs/rl/rlrr.ipynb #e6624e35
 @register_advantage("rlrr")
 def rlrr_advantage(batch: RolloutBatch, norm: str = "std", xi_neg: float = 0.0, xi_pos: float = 0.0, clip: bool = True,
@@ -502,13 +344,6 @@ def rlrr_group_reward(judge: ListwiseJudge, task: Task, mapping: str = "suppleme
 
     group_reward.__name__ = f"rlrr_{mapping}"
     return group_reward
-
-
-def dense_reward(task: Task, tau: float = 0.1,
-                 quality: Callable[[str, Problem], float] = arith_quality) -> Callable[[list, list[str]], list[float]]:
-    """GRPO-absolute-dense's `reward_fn`: s_rule + tau * quality (quality already in [0, 1] for every prompt: global scale)."""
-    _check_tau(tau)
-    return lambda problems, texts: [float(task.verify(p, t)) + tau * quality(t, p) for p, t in zip(problems, texts)]
 
 # %% ../../nbs/rl/rlrr.ipynb #e2aa28c9
 def _dataset_columns(dataset: Any) -> list[str] | None:
@@ -590,187 +425,10 @@ def rlrr_trl_advantages(rewards: Tensor, correct: Tensor | None, num_generations
     uid = torch.arange(rewards.shape[0], device=rewards.device) // num_generations
     return rlrr_advantages(rewards.double(), correct, uid, norm, xi_neg, xi_pos).float()
 
-# %% ../../nbs/rl/rlrr.ipynb #3c467bdc
-ARMS = {  # arm -> (task kind, description)
-    "grpo_binary": ("V", "GRPO on the binary verifier reward"),
-    "grpo_dense": ("V", "GRPO on s_rule + tau * quality (absolute dense shaping)"),
-    "dr_grpo_binary": ("V", "Dr. GRPO (F = 1) on the binary reward"),
-    "rlrr_weight": ("V", "RLRR weight mapping, sign clip"),
-    "rlrr_supplement": ("V", "RLRR supplement mapping, sign clip"),
-    "grpo_rm": ("O", "GRPO on the distorted scalar RM scores"),
-    "rlrr_reward": ("O", "RLRR reward mapping of the listwise ranking of the same RM scores"),
-}
-
-
-@dataclass
-class RunConfig:
-    """One arm of the experiment, trained for `steps` rollout batches on each seed (every seed shares the warm start)."""
-    arm: str
-    seeds: Sequence[int] = (0, 1, 2)
-    steps: int = 36
-    group_size: int = 4
-    prompts_per_step: int = 16
-    lr: float = 1e-4
-    tau: float = 0.1
-    norm: str = "std"
-    max_new_tokens: int = 5
-    temperature: float = 1.0
-    eval_n: int = 300
-    eval_every: int = 0          # 0: evaluate at the start and the end only
-    judge_noise: float = 0.0
-    rm_noise: str = "t"
-    rm_sigma: float = 0.25
-
-    def __post_init__(self):
-        if self.arm not in ARMS:
-            raise ValueError(f"arm={self.arm!r}: expected one of {sorted(ARMS)}")
-        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
-            raise ValueError(f"seeds={self.seeds!r}: expected distinct seeds")
-        for name in ("steps", "group_size", "prompts_per_step", "max_new_tokens", "eval_n"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < (2 if name == "group_size" else 1):
-                raise ValueError(f"{name}={v!r}: expected an int >= {2 if name == 'group_size' else 1}")
-        if self.norm not in NORMS:
-            raise ValueError(f"norm={self.norm!r}: expected one of {NORMS}")
-        _check_tau(self.tau)
-
-    @property
-    def kind(self) -> str:
-        return ARMS[self.arm][0]
-
-
-def make_task(kind: str) -> Task:
-    """Task V (2-digit ± arithmetic, exact verifier) or task O (the same prompts as close-integer requests)."""
-    if kind not in ("V", "O"):
-        raise ValueError(f"kind={kind!r}: expected 'V' or 'O'")
-    return ArithmeticTask(digits=2, ops="+-") if kind == "V" else CloseIntegerTask(digits=2, ops="+-")
-
-
-def arm_trainer_kwargs(cfg: RunConfig, task: Task, seed: int) -> dict:
-    """Trainer arguments of one arm (reward, advantage) for a seed; the RM and the judge are seeded per run."""
-    a, tau = cfg.arm, cfg.tau
-    if a == "grpo_binary":
-        return dict(advantage="grpo")
-    if a == "grpo_dense":
-        return dict(advantage="grpo", reward_fn=dense_reward(task, tau))
-    if a == "dr_grpo_binary":
-        return dict(advantage="dr_grpo")
-    if a in ("rlrr_weight", "rlrr_supplement"):
-        fn = rlrr_group_reward(arith_judge(cfg.judge_noise, seed), task, a.split("_")[1], tau)
-        return dict(advantage="rlrr", group_reward_fn=fn, adv_cfg=dict(norm=cfg.norm))
-    rm = NoisyScalarRM(task.quality, seed=seed, noise=cfg.rm_noise, sigma=cfg.rm_sigma)
-    if a == "grpo_rm":
-        return dict(advantage="grpo", reward_fn=rm.score_rows)
-    judge = ListwiseJudge(lambda texts, p: rm.scores(texts, p), noise=cfg.judge_noise, seed=seed)
-    return dict(advantage="rlrr", group_reward_fn=rlrr_group_reward(judge, task, "reward", tau),
-                adv_cfg=dict(norm=cfg.norm, clip=False))
-
-# %% ../../nbs/rl/rlrr.ipynb #83924a32
-def _pearson(x: np.ndarray, y: np.ndarray) -> float:
-    if len(x) < 2 or x.std() == 0 or y.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(x, y)[0, 1])
-
-
-def group_correlation(x: Tensor, y: Sequence[float], uid: Tensor, method: str = "pearson") -> float:
-    """Mean over groups (with both x and y non-constant) of the within-group Pearson or Spearman correlation of x and y."""
-    if method not in ("pearson", "spearman"):
-        raise ValueError(f"method={method!r}: expected 'pearson' or 'spearman'")
-    xs, ys, us = x.double().cpu().numpy(), np.asarray(y, dtype=np.float64), uid.cpu().numpy()
-    vals = []
-    for g in np.unique(us):
-        a, b = xs[us == g], ys[us == g]
-        if method == "spearman":
-            a = average_ranks(torch.from_numpy(a)).numpy()
-            b = average_ranks(torch.from_numpy(b)).numpy()
-        c = _pearson(a, b)
-        if not math.isnan(c):
-            vals.append(c)
-    return float(np.mean(vals)) if vals else float("nan")
-
-
-def seq_advantages(batch: RolloutBatch) -> Tensor:
-    """Per-row advantage [rows] float64: the mean of batch.adv [rows, T] over the response tokens."""
-    m = batch.resp_mask.double()
-    return (batch.adv.double() * m).sum(-1) / m.sum(-1).clamp(min=1)
-
-
-def batch_metrics(batch: RolloutBatch, task: Task) -> dict:
-    """Signal statistics of one trained-on batch: effective groups, sign violations (with and without the clip), and
-    for task O the within-group correlation of the advantage and of the reward with the hidden quality."""
-    a, ok = seq_advantages(batch), batch.correct
-    out = dict(eff_adv=live_group_ratio(a, batch.uid, atol=1e-9), sign_viol=sign_violation_rate(a, ok),
-               sign_viol_noclip=sign_violation_rate(rlrr_advantages(batch.reward.double(), None, batch.uid), ok))
-    if isinstance(task, CloseIntegerTask):
-        q = [task.quality(p, t) for p, t in zip(batch.problems, batch.text)]
-        out.update(batch_quality=float(np.mean(q)), adv_q_pearson=group_correlation(a, q, batch.uid),
-                   adv_q_spearman=group_correlation(a, q, batch.uid, "spearman"),
-                   reward_q_spearman=group_correlation(batch.reward, q, batch.uid, "spearman"))
-    return out
-
-
-@torch.no_grad()
-def heldout_metrics(policy: Policy, task: Task, problems: Sequence[Problem], max_new_tokens: int = 5) -> dict:
-    """Greedy held-out accuracy (exact verifier) and mean hidden quality (task O; arith_quality for task V)."""
-    prompts = [policy.encode_prompt(p.prompt) for p in problems]
-    *_, texts = generate(policy, prompts, max_new_tokens=max_new_tokens, greedy=True)
-    acc = float(np.mean([task.verify(p, t) for p, t in zip(problems, texts)]))
-    qual = [task.quality(p, t) if isinstance(task, CloseIntegerTask) else arith_quality(t, p) for p, t in zip(problems, texts)]
-    return dict(eval_acc=acc, eval_quality=float(np.mean(qual)))
-
-
-def run_rlrr(cfg: RunConfig | dict, policy: Policy | None = None, progress: bool = False) -> pd.DataFrame:
-    """Train one arm on every seed of `cfg` from the warm start (`policy`, default the shared arithmetic fixture).
-
-    Returns one row per (seed, step): the Trainer's metrics, `batch_metrics`, and the held-out metrics at eval steps."""
-    cfg = RunConfig(**cfg) if isinstance(cfg, dict) else cfg
-    if not isinstance(cfg, RunConfig):
-        raise TypeError(f"cfg: expected a RunConfig or a dict of its fields, got {type(cfg).__name__}")
-    if policy is None:
-        policy, _ = warm_arith_policy(progress=False)
-    task = make_task(cfg.kind)
-    evalset = task.heldout(cfg.eval_n)
-    rows = []
-    for seed in cfg.seeds:
-        pol = replace(policy, model=copy.deepcopy(policy.model))
-        tr = Trainer(pol, task, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step, lr=cfg.lr,
-                     max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=int(seed), progress=progress,
-                     **arm_trainer_kwargs(cfg, task, int(seed)))
-        rows.append(dict(arm=cfg.arm, seed=int(seed), step=0, **heldout_metrics(pol, task, evalset, cfg.max_new_tokens)))
-        for k in range(1, cfg.steps + 1):
-            row = dict(tr.step(), **batch_metrics(tr.last_batch, task))
-            if k == cfg.steps or (cfg.eval_every and k % cfg.eval_every == 0):
-                pol.model.eval()
-                row.update(heldout_metrics(pol, task, evalset, cfg.max_new_tokens))
-            rows.append(dict(arm=cfg.arm, seed=int(seed), step=k, **row))
-    return pd.DataFrame(rows)
-
-
-def tune_lr(cfg: RunConfig, grid: Sequence[float], policy: Policy | None = None, tune_seed: int = 99,
-            metric: str | None = None, max_extend: int = 3) -> tuple[float, dict[float, float]]:
-    """The learning rate of `grid` whose one run on `tune_seed` ends with the best held-out metric (accuracy on task V,
-    hidden quality on task O; ties go to the smaller rate). A best at an edge extends the grid by a factor 3 that way,
-    up to `max_extend` times. Returns (best lr, {lr: score}); `tune_seed` must not be one of cfg's evaluation seeds."""
-    if not grid or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 for v in grid):
-        raise ValueError(f"grid={grid!r}: expected learning rates > 0")
-    if tune_seed in cfg.seeds:
-        raise ValueError(f"tune_seed={tune_seed}: is an evaluation seed of cfg ({list(cfg.seeds)}); tune on another seed")
-    metric = metric or ("eval_acc" if cfg.kind == "V" else "eval_quality")
-    policy = policy if policy is not None else warm_arith_policy(progress=False)[0]
-    scores: dict[float, float] = {}
-
-    def score(lr: float) -> None:
-        d = run_rlrr(replace(cfg, seeds=(tune_seed,), lr=float(lr)), policy)
-        scores[float(lr)] = float(d[d.step == cfg.steps][metric].mean())
-
-    for lr in sorted(grid):
-        score(lr)
-    for _ in range(max_extend):
-        best = min(scores, key=lambda k: (-scores[k], k))
-        if best == min(scores):
-            score(best / 3)
-        elif best == max(scores):
-            score(best * 3)
-        else:
-            break
-    return min(scores, key=lambda k: (-scores[k], k)), dict(sorted(scores.items()))
+# %% ../../nbs/rl/rlrr.ipynb #bd3b1de0
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("PLRanker", "fit_pl_ranker", "parse_int", "digit_overlap", "arith_quality",
+                                     "response_features", "arith_judge", "CloseIntegerTask", "NoisyScalarRM",
+                                     "dense_reward", "ARMS", "RunConfig", "make_task", "arm_trainer_kwargs",
+                                     "group_correlation", "seq_advantages", "batch_metrics", "heldout_metrics",
+                                     "run_rlrr", "tune_lr"), "kimi_papers.rl.rlrr_experiment")
