@@ -12,12 +12,13 @@ from kimi_papers.core.io import cached_json
 from kimi_papers.core.models import CharTokenizer, quantize_int8, tiny_causal_lm
 from kimi_papers.core.rl.rollout import Policy
 from kimi_papers.decoding.jisi import (
-    FAMILIES, LEVELS, CharSpecialist, JiSiConfig, Member, Question, QuestionBank, ResponseTable, agg_acc_fn, answer_loss,
-    arith_view, confounded_families, best_expert_table, decide_arms, finish_answer, is_correct,
-    jisi_decide, length_score, make_pool, make_question, mixed_profile_scores, mixed_profile_scores_compiled,
-    mixed_profile_scores_loop, mixed_route, neighbour_mask, parse_answer, pending_aggregations, profile_scores,
-    profile_scores_loop, query_route, score_arms, select_aggregator, specialist_fixture, split_pool,
-    subset_size, switch, weighted_profile, word_view)
+    agg_acc_fn, FAMILIES, finish_answer, is_correct, jisi_decide, JiSiConfig, length_score, mixed_profile_scores,
+    mixed_profile_scores_compiled, mixed_profile_scores_loop, mixed_route, neighbour_mask, parse_answer,
+    profile_scores, profile_scores_loop, query_route, Question, QuestionBank, ResponseTable, select_aggregator,
+    subset_size, switch, weighted_profile)
+from kimi_papers.decoding.jisi_experiment import (
+    answer_loss, arith_view, best_expert_table, CharSpecialist, confounded_families, decide_arms, LEVELS, make_pool,
+    make_question, Member, pending_aggregations, score_arms, specialist_fixture, split_pool, word_view)
 
 
 def toy_bank(N=6, M=3, d=5, seed=0, dup=False):
@@ -235,7 +236,7 @@ def test_cache_is_atomic_and_keyed(tmp_path):
 
 def test_specialist_fixtures_know_their_domain():
     from kimi_papers.core.config import project_root
-    from kimi_papers.decoding.jisi import run_member
+    from kimi_papers.decoding.jisi_experiment import run_member
     folder = project_root() / "tests" / "fixtures" / "jisi"
     if not (folder / "arith_2digit_s0.pt").is_file():
         pytest.skip("specialist fixtures not built yet")
@@ -245,3 +246,13 @@ def test_specialist_fixtures_know_their_domain():
     qs = [make_question("arith", 2, rng) for _ in range(30)]
     g = run_member(Member("A", spec.policy, "char", 6, finish=spec.finish, view=spec.view), [q.text for q in qs], batch=30)
     assert sum(is_correct(q, t) for q, t in zip(qs, g.texts)) / len(qs) >= 0.3
+
+
+def test_moved_harness_names_still_resolve():
+    """Names that lived in the method module before the split resolve from the experiment module, with a warning."""
+    import kimi_papers.decoding.jisi as method
+    import kimi_papers.decoding.jisi_experiment as experiment
+    with pytest.warns(DeprecationWarning, match="jisi_experiment"):
+        assert method.make_pool is experiment.make_pool
+    with pytest.raises(AttributeError, match="no_such_name"):
+        method.no_such_name

@@ -6,44 +6,27 @@
 from __future__ import annotations
 
 import math
-import random
 import re
-import string
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
-from ..core.models import CharTokenizer, tiny_causal_lm
-from ..core.rl.rollout import Policy, generate
-from ..core.train import TrainResult, train
 
-if TYPE_CHECKING:
-    import pandas as pd
 
 # %% auto #0
-__all__ = ['FAMILIES', 'LEVELS', 'SYSTEM_DIRECT', 'SYSTEM_COT', 'DIRECT_PREFIX', 'SYSTEM_AGG', 'ALPHABET', 'SEP', 'VIEWS',
-           'SPECIALIST_TASKS', 'profile_scores_compiled', 'mixed_profile_scores_compiled', 'SIM_NAMES', 'SIM_FAMILIES',
-           'Question', 'make_question', 'make_pool', 'parse_answer', 'is_correct', 'Member', 'Generation', 'run_member',
-           'aggregation_text', 'arith_view', 'word_view', 'CharSpecialist', 'specialist_batches', 'answer_loss',
-           'train_specialist', 'specialist_fixture', 'QuestionBank', 'neighbour_mask', 'weighted_profile',
-           'query_route', 'length_score', 'subset_size', 'mixed_route', 'select_aggregator', 'switch', 'profile_scores',
-           'mixed_profile_scores', 'profile_scores_loop', 'mixed_profile_scores_loop', 'ResponseTable', 'JiSiConfig',
-           'JiSiResult', 'jisi_decide', 'jisi_answer', 'finish_answer', 'split_pool', 'agg_acc_fn', 'decide_arms',
-           'pending_aggregations', 'score_arms', 'best_expert_table', 'confounded_families', 'sim_accuracy', 'sim_best',
-           'simulate_table', 'majority_aggregate']
+__all__ = ['FAMILIES', 'profile_scores_compiled', 'mixed_profile_scores_compiled', 'Question', 'parse_answer', 'is_correct',
+           'QuestionBank', 'neighbour_mask', 'weighted_profile', 'query_route', 'length_score', 'subset_size',
+           'mixed_route', 'select_aggregator', 'switch', 'profile_scores', 'mixed_profile_scores',
+           'profile_scores_loop', 'mixed_profile_scores_loop', 'ResponseTable', 'JiSiConfig', 'JiSiResult',
+           'jisi_decide', 'jisi_answer', 'finish_answer', 'agg_acc_fn']
 
 # %% ../../nbs/decoding/jisi.ipynb #569a6f81
 FAMILIES = ("arith", "sort", "reverse", "compare", "word")
-LEVELS = (1, 2, 3, 4)
-_NAMES = ("Tom", "Ana", "Li", "Sara", "Omar", "Ken")
-_ITEMS = ("apples", "coins", "books", "stamps", "shells")
 
 
 @dataclass(frozen=True)
@@ -54,46 +37,6 @@ class Question:
     family: str
     level: int
     qid: int = -1
-
-
-def _num(rng: random.Random, digits: int) -> int:
-    return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1)
-
-
-def make_question(family: str, level: int, rng: random.Random) -> Question:
-    """A question of `family` at difficulty `level`: digits for arith/compare/word, length-2 items for sort/reverse."""
-    if family not in FAMILIES:
-        raise ValueError(f"family={family!r}: expected one of {FAMILIES}")
-    if level not in LEVELS:
-        raise ValueError(f"level={level!r}: expected one of {LEVELS}")
-    if family == "arith":
-        a, b, op = _num(rng, level), _num(rng, level), rng.choice("+-")
-        a, b = (b, a) if op == "-" and b > a else (a, b)
-        return Question(f"What is {a} {op} {b}?", str(a + b if op == "+" else a - b), family, level)
-    if family == "sort":
-        xs = [rng.randint(0, 99) for _ in range(level + 2)]
-        return Question("Sort from smallest to largest: " + ", ".join(map(str, xs)) + ".",
-                        ", ".join(map(str, sorted(xs))), family, level)
-    if family == "reverse":
-        w = "".join(rng.choice(string.ascii_lowercase) for _ in range(level + 2))
-        return Question(f"Reverse the letters of {w}.", w[::-1], family, level)
-    if family == "compare":
-        a, b = _num(rng, level), _num(rng, level)
-        while b == a:
-            b = _num(rng, level)
-        return Question(f"Is {a} larger than {b}? Answer yes or no.", "yes" if a > b else "no", family, level)
-    a, b = _num(rng, level), _num(rng, level)
-    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
-    return Question(f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?",
-                    str(a + b), family, level)
-
-
-def make_pool(n: int, seed: int, families: Sequence[str] = FAMILIES) -> list[Question]:
-    """`n` questions, round-robin over family x level (balanced strata), deterministic for `seed`."""
-    check_int("n", n)
-    rng = random.Random(seed)
-    strata = [(f, lv) for f in families for lv in LEVELS]
-    return [replace(make_question(*strata[i % len(strata)], rng), qid=i) for i in range(n)]
 
 
 _MARK = re.compile(r"answer(?: is)?\s*[:=]?", re.I)
@@ -118,180 +61,6 @@ def parse_answer(family: str, text: str) -> str | None:
 def is_correct(q: Question, text: str) -> bool:
     """Whether `text` answers `q` (parsed with `parse_answer`)."""
     return parse_answer(q.family, text) == q.answer
-
-# %% ../../nbs/decoding/jisi.ipynb #4f588aaa
-SYSTEM_DIRECT = "Give only the final answer."
-SYSTEM_COT = "Think step by step in one or two short sentences, then end with 'Answer: <answer>'."
-DIRECT_PREFIX = "The answer is"   # appended after the chat template's assistant turn: forces an immediate answer
-SYSTEM_AGG = "Several assistants answered the question. Pick the correct answer."
-
-
-@dataclass
-class Member:
-    """One pool model: a `Policy`, its prompt style ("direct", "cot" or "char") and decoding; `aggregator` if it can aggregate."""
-    name: str
-    policy: Policy
-    style: str
-    max_new_tokens: int
-    temperature: float | None = None     # None: greedy
-    aggregator: bool = False
-    finish: Callable[[str], str] | None = None   # raw generated text -> response (a specialist's scratchpad)
-    view: Callable[[str], str] | None = None     # question -> what a specialist reads (its template)
-
-    def __post_init__(self):
-        if self.style not in ("direct", "cot", "char"):
-            raise ValueError(f"style={self.style!r}: expected 'direct', 'cot' or 'char'")
-        check_int("max_new_tokens", self.max_new_tokens)
-
-    def prompt(self, text: str, system: str | None = None) -> list[int]:
-        """Token ids of the prompt for `text` in this member's style (`system` overrides the style's system prompt)."""
-        if self.style == "char":
-            return self.policy.encode_prompt(self.view(text) if self.view else text)
-        pol = replace(self.policy, chat=True, system=system or (SYSTEM_DIRECT if self.style == "direct" else SYSTEM_COT))
-        ids = pol.encode_prompt(text)
-        return ids + pol.encode_text(DIRECT_PREFIX) if self.style == "direct" else ids
-
-
-@dataclass
-class Generation:
-    """A member's responses to a list of prompts, with the prompt and generated token counts of each."""
-    texts: list[str]
-    prompt_tokens: list[int]
-    gen_tokens: list[int]
-
-
-def run_member(member: Member, texts: Sequence[str], *, seed: int = 0, batch: int = 32,
-               system: str | None = None) -> Generation:
-    """Responses of `member` to `texts` through core.rl.rollout.generate, in batches (sampling seeded per batch)."""
-    check_int("batch", batch)
-    if isinstance(texts, str) or not texts:
-        raise ValueError("texts: expected a non-empty list of prompt strings")
-    out = Generation([], [], [])
-    for b, i in enumerate(range(0, len(texts), batch)):
-        ids = [member.prompt(t, system) for t in texts[i:i + batch]]
-        kw = (dict(greedy=True) if member.temperature is None
-              else dict(temperature=member.temperature, seed=seed * 100_003 + b))
-        _, _, resp, gen = generate(member.policy, ids, max_new_tokens=member.max_new_tokens, **kw)
-        out.texts += [(member.finish(g) if member.finish else g).strip() for g in gen]
-        out.prompt_tokens += [len(x) for x in ids]
-        out.gen_tokens += resp.sum(-1).tolist()
-    return out
-
-
-def aggregation_text(question: str, references: Sequence[str]) -> str:
-    """The aggregator's user turn: the question and the proposed answers (unnumbered: numbered lists make SmolLM2 answer
-    with the list index)."""
-    if not references:
-        raise ValueError("references: expected at least one reference response")
-    return f"Question: {question}\nProposed answers: " + "; ".join(references) + "\nWhich proposed answer is correct? Reply with that answer."
-
-# %% ../../nbs/decoding/jisi.ipynb #c7649755
-ALPHABET = string.ascii_letters + string.digits + " ,.?+-=:"
-SEP = "="   # between question and answer; never inside a question
-
-
-def arith_view(text: str) -> str:
-    """Specialist A's template: the question reduced to its numbers and operators ('What is 47 + 38?' -> '47+38')."""
-    return "".join(re.findall(r"\d+|[+-]", text))[:24]
-
-
-def word_view(text: str) -> str:
-    """Specialist B's template: the question's last word ('Reverse the letters of abcde.' -> 'abcde')."""
-    words = re.findall(r"[A-Za-z]+", text)
-    return words[-1][:24] if words else ""
-
-
-VIEWS = {"arith_2digit": arith_view, "reverse_long": word_view}
-SPECIALIST_TASKS: dict[str, tuple[tuple[str, int], ...]] = {
-    # A: 2-digit add/sub only, so SmolLM2-direct keeps the 1-digit questions (expertise flips with difficulty)
-    "arith_2digit": (("arith", 2),),
-    # B: long strings only (5-6 letters)
-    "reverse_long": (("reverse", 3), ("reverse", 4)),
-}
-
-
-class CharSpecialist(nn.Module):
-    """A tiny character-level causal LM (core.models.tiny_causal_lm, GPT-2 blocks) that reads 'question=' and writes the answer."""
-
-    def __init__(self, d_model: int = 96, n_layers: int = 3, n_heads: int = 4, max_len: int = 64, seed: int = 0,
-                 reverse_digits: bool = False, view: Callable[[str], str] | None = None):
-        super().__init__()
-        self.view = view or (lambda t: t)         # the specialist's template: what of the question it reads
-        self.reverse_digits = reverse_digits  # arithmetic scratchpad: the model writes the digits least-significant first
-        self.tok = CharTokenizer(ALPHABET)
-        self.lm = tiny_causal_lm(self.tok.vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-                                 max_len=max_len, arch="gpt2", seed=seed, tokenizer=self.tok)
-        self.max_len = max_len
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """Next-token logits [B, T, V] float for input_ids [B, T] long."""
-        return self.lm(input_ids=input_ids).logits
-
-    @property
-    def policy(self) -> Policy:
-        """The rollout `Policy`: BOS + question + '='; generation stops at EOS."""
-        return Policy(self.lm, self.tok, add_bos=True, template="{prompt}" + SEP)
-
-    def encode_example(self, q: Question) -> list[int]:
-        """BOS + question + '=' + answer (digits reversed if `reverse_digits`) + EOS as ids."""
-        return self.tok.encode(self.view(q.text) + SEP + (q.answer[::-1] if self.reverse_digits else q.answer), bos=True, eos=True)
-
-    def finish(self, raw: str) -> str:
-        """The response text from the generated characters (un-reversing the scratchpad)."""
-        return raw[::-1] if self.reverse_digits else raw
-
-
-def specialist_batches(spec: CharSpecialist, task: str, batch: int, seed: int) -> Iterator[Tensor]:
-    """Endless right-padded training batches [batch, T] long of the task's strata (fresh questions every step)."""
-    if task not in SPECIALIST_TASKS:
-        raise ValueError(f"task={task!r}: expected one of {sorted(SPECIALIST_TASKS)}")
-    rng, strata = random.Random(seed), SPECIALIST_TASKS[task]
-    while True:
-        rows = [spec.encode_example(make_question(*rng.choice(strata), rng)) for _ in range(batch)]
-        out = torch.full((batch, max(map(len, rows))), spec.tok.pad_id, dtype=torch.long)
-        for i, r in enumerate(rows):
-            out[i, :len(r)] = torch.tensor(r)
-        yield out
-
-
-def answer_loss(spec: CharSpecialist, batch: Tensor) -> tuple[Tensor, dict]:
-    """Cross-entropy on the answer characters and EOS only (the positions after the '=' separator)."""
-    inp, tgt = batch[:, :-1], batch[:, 1:]
-    sep = spec.tok.encode(SEP)[0]
-    mask = ((inp == sep).long().cumsum(-1) > 0) & (tgt != spec.tok.pad_id)
-    logits = spec(inp)
-    ce = F.cross_entropy(logits[mask].float(), tgt[mask])
-    return ce, {"ce": ce.item()}
-
-
-def train_specialist(task: str, steps: int, seed: int, *, batch: int = 64, lr: float = 2e-3,
-                     **arch: Any) -> tuple[CharSpecialist, TrainResult]:
-    """A `CharSpecialist` trained with core.train.train on `task` for `steps` AdamW steps (cosine schedule)."""
-    check_int("steps", steps)
-    check_int("seed", seed, 0)
-    spec = CharSpecialist(seed=seed, reverse_digits=task.startswith("arith"), view=VIEWS.get(task), **arch)
-    res = train(spec, specialist_batches(spec, task, batch, seed), steps, lr=lr, loss_fn=answer_loss,
-                progress=False, log_every=max(1, steps // 20), desc=f"specialist {task}")
-    return spec.eval(), res
-
-
-def specialist_fixture(task: str, steps: int, seed: int, folder: Path | str, **kw: Any) -> tuple[CharSpecialist, dict]:
-    """The specialist from `folder/<task>_s<seed>.pt` when its recorded settings match, else trained and saved there (fp16, atomic)."""
-    path = Path(folder) / f"{task}_s{seed}.pt"
-    meta = {"task": task, "steps": steps, "seed": seed, "alphabet": ALPHABET, **{k: kw[k] for k in sorted(kw)}}
-    arch = {k: v for k, v in kw.items() if k in ("d_model", "n_layers", "n_heads", "max_len")}
-    if path.is_file():
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if blob.get("meta") == meta:
-            spec = CharSpecialist(seed=seed, reverse_digits=task.startswith("arith"), view=VIEWS.get(task), **arch)
-            spec.load_state_dict({k: v.float() for k, v in blob["state"].items()})
-            return spec.eval(), dict(blob["info"], source=path.name)
-    spec, res = train_specialist(task, steps, seed, **kw)
-    info = {"final_loss": res.final_loss, "seconds": round(res.seconds, 1), "source": "trained"}
-    state = {k: v.detach().half().clone() for k, v in spec.state_dict().items()}
-    from kimi_papers.core.io import atomic_write
-    atomic_write(path, lambda tmp: torch.save({"meta": meta, "info": info, "state": state}, tmp))
-    return spec, info
 
 # %% ../../nbs/decoding/jisi.ipynb #7dfe2c96
 def _finite(name: str, t: Tensor) -> Tensor:
@@ -641,15 +410,6 @@ def finish_answer(res: JiSiResult, table: ResponseTable,
     return replace(res, text=text, correct=float(is_correct(q, text)), cost=res.cost + int(tokens))
 
 # %% ../../nbs/decoding/jisi.ipynb #bc72ab84
-def split_pool(n: int, n_bank: int, seed: int) -> tuple[list[int], list[int]]:
-    """A seeded random bank / test split of pool indices 0..n-1."""
-    check_int("n_bank", n_bank)
-    if n_bank >= n:
-        raise ValueError(f"n_bank={n_bank}: expected fewer than the pool's {n} questions (the rest is the test set)")
-    perm = random.Random(seed).sample(range(n), n)
-    return sorted(perm[:n_bank]), sorted(perm[n_bank:])
-
-
 def agg_acc_fn(bank_idx: Sequence[int], agg_correct: Mapping[tuple[int, int], float], M: int) -> Callable[[Tensor], Tensor]:
     """AggAcc(m) on the kept neighbours (bank positions): mean correctness of m's precomputed aggregation runs
     `agg_correct[(m, qid)]` over the neighbours that have one, else over the whole bank's runs; 0 for non-aggregators."""
@@ -670,140 +430,14 @@ def agg_acc_fn(bank_idx: Sequence[int], agg_correct: Mapping[tuple[int, int], fl
     return f
 
 
-def _route(qid: int, m: int, table: ResponseTable, mode: str = "route") -> JiSiResult:
-    z = torch.zeros(0)
-    return JiSiResult(qid, mode, m, (m,), 1, (), table.cost(qid, m), z, z, z.long(), z.long())
+# %% ../../nbs/decoding/jisi.ipynb #398acef2
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, (
+    'LEVELS', 'SYSTEM_DIRECT', 'SYSTEM_COT', 'DIRECT_PREFIX', 'SYSTEM_AGG', 'ALPHABET', 'SEP', 'VIEWS',
+    'SPECIALIST_TASKS', 'SIM_NAMES', 'SIM_FAMILIES', 'make_question', 'make_pool', 'Member', 'Generation',
+    'run_member', 'aggregation_text', 'arith_view', 'word_view', 'CharSpecialist', 'specialist_batches',
+    'answer_loss', 'train_specialist', 'specialist_fixture', 'split_pool', 'decide_arms',
+    'pending_aggregations', 'score_arms', 'best_expert_table', 'confounded_families', 'sim_accuracy',
+    'sim_best', 'simulate_table', 'majority_aggregate'),
+    "kimi_papers.decoding.jisi_experiment")
 
-
-def decide_arms(table: ResponseTable, bank_idx: Sequence[int], test_idx: Sequence[int], configs: Mapping[str, JiSiConfig],
-                agg_correct: Mapping[tuple[int, int], float], static_aggregator: int, seed: int) -> dict[str, list[JiSiResult]]:
-    """Every arm's decision on the test questions against the bank `bank_idx`: the single models, the best single model
-    (on the bank), the query-only router (step 1), random routing, the oracle, static aggregation (top-3 on the bank,
-    a fixed aggregator) and each JiSi configuration."""
-    bank = table.bank(bank_idx)
-    acc = bank.accuracy()
-    M, rng = bank.M, random.Random(seed)
-    best = _rank(acc, acc)[0]
-    top3 = tuple(_rank(acc, acc)[:3])
-    aa = agg_acc_fn(bank_idx, agg_correct, M)
-    out: dict[str, list[JiSiResult]] = {f"single: {n}": [_route(q, m, table) for q in test_idx] for m, n in enumerate(table.names)}
-    out["best single (bank)"] = [_route(q, best, table) for q in test_idx]
-    base = JiSiConfig()
-    out["query-only router"] = [_route(q, _rank(query_route(bank, table.q_emb[q], base.k, base.thres)[2], acc)[0], table)
-                                for q in test_idx]
-    out["random router"] = [_route(q, rng.randrange(M), table) for q in test_idx]
-    out["oracle"] = [_route(q, next((m for m in range(M) if table.correct[q, m] > 0), best), table) for q in test_idx]
-    for r in out["oracle"]:
-        r.cost = sum(table.cost(r.qid, m) for m in range(M))
-    z = torch.zeros(0)
-    out["static aggregation"] = [JiSiResult(q, "aggregate", static_aggregator, top3, 3, (),
-                                            sum(table.cost(q, m) for m in top3), z, z, z.long(), z.long()) for q in test_idx]
-    for name, cfg in configs.items():
-        out[name] = [jisi_decide(q, table, bank, cfg, aa) for q in test_idx]
-    return out
-
-
-def pending_aggregations(decisions: Mapping[str, Sequence[JiSiResult]], done: Mapping) -> list[tuple[int, int, tuple[int, ...]]]:
-    """The (aggregator, qid, refs) calls the decisions need that `done` does not hold yet, sorted, without repeats."""
-    need = {(r.model, r.qid, tuple(r.refs)) for rs in decisions.values() for r in rs if r.mode == "aggregate"}
-    return sorted(k for k in need if k not in done)
-
-
-def score_arms(decisions: Mapping[str, Sequence[JiSiResult]], table: ResponseTable,
-               aggregate: Callable[[int, int, tuple[int, ...]], tuple[str, int]]) -> list[dict]:
-    """One row per (arm, test question): correct, cost (prompt + generated tokens), mode, model, family, level."""
-    rows = []
-    for arm, rs in decisions.items():
-        for r in rs:
-            f = finish_answer(r, table, aggregate)
-            q = table.questions[r.qid]
-            correct = float(table.correct[r.qid].max()) if arm == "oracle" else f.correct
-            rows.append(dict(arm=arm, qid=r.qid, family=q.family, level=q.level, correct=correct, cost=f.cost,
-                             mode=f.mode, model=table.names[f.model], n_agg=f.n_agg))
-    return rows
-
-# %% ../../nbs/decoding/jisi.ipynb #da3dc693
-def best_expert_table(table: ResponseTable) -> "pd.DataFrame":
-    """Accuracy of every member per (family, level) over the whole pool, with the best member of each stratum."""
-    import pandas as pd
-    rows = [dict(family=q.family, level=q.level, **{n: float(table.correct[i, m]) for m, n in enumerate(table.names)})
-            for i, q in enumerate(table.questions)]
-    acc = pd.DataFrame(rows).groupby(["family", "level"]).mean()
-    acc["best"] = acc[table.names].idxmax(axis=1).where(acc[table.names].max(axis=1) > 0, "(none)")
-    return acc
-
-
-def confounded_families(best: "pd.DataFrame", names: Sequence[str], margin: float = 0.25) -> list[str]:
-    """Families whose expertise flips with difficulty: at some level, that level's best member beats the family-wide
-    best member by at least `margin` accuracy (the difficulty-confounded subset)."""
-    out = []
-    for fam, d in best[list(names)].groupby(level="family"):
-        overall = d.mean().idxmax()
-        if float((d.max(axis=1) - d[overall]).max()) >= margin:
-            out.append(fam)
-    return sorted(out)
-
-# %% ../../nbs/decoding/jisi.ipynb #71510345
-SIM_NAMES = ["generalist", "arith-hard", "lists-long", "yes-no"]
-
-
-def sim_accuracy(family: str, level: int) -> list[float]:
-    """The simulated pool's accuracy of each of its 4 experts on (family, level): expertise flips with difficulty."""
-    hard = level >= 3
-    gen = 0.25 if hard else 0.7
-    ari = 0.9 if family in ("arith", "word") and hard else 0.05
-    lst = 0.9 if family in ("sort", "reverse") and hard else 0.05
-    yn = 0.95 if family == "compare" else 0.1
-    return [gen, ari, lst, yn]
-
-
-def sim_best(q: Question) -> int:
-    """The simulated best expert of a question's (family, level)."""
-    return int(np.argmax(sim_accuracy(q.family, q.level)))
-
-
-def _wrong(q: Question, rng: random.Random) -> str:
-    if q.family == "compare":
-        return "no" if q.answer == "yes" else "yes"
-    if q.family == "reverse":
-        return q.answer[::-1] + "x"
-    if q.family == "sort":
-        return q.answer[::-1] + ", 0"
-    return str(int(q.answer) + rng.choice([-10, -1, 1, 2, 11]))
-
-
-def _sim_response(m: int, q: Question, right: bool, rng: random.Random) -> str:
-    """A templated response: its wording depends on the expert and family, its length grows with the difficulty."""
-    ans = q.answer if right else _wrong(q, rng)
-    style = ["Let me think:", "Compute:", "Listing:", "Comparing:"][m]
-    return f"{style} {q.family} " + " ".join(["step"] * (5 * q.level)) + f" so the answer is {ans}."
-
-
-SIM_FAMILIES = ("arith", "reverse", "compare")
-
-
-def simulate_table(n: int, seed: int, embed_fn: Callable[[list[str]], Tensor],
-                   families: Sequence[str] = SIM_FAMILIES) -> ResponseTable:
-    """A simulated `ResponseTable` of the 4 experts of `sim_accuracy` on `make_pool(n, seed)`: correctness drawn from the
-    table, templated responses, token counts = words, embeddings from `embed_fn(texts) -> [len, d]` (no LLM calls);
-    three families by default, so a small bank still holds several questions per (family, level)."""
-    rng = random.Random(seed)
-    qs = make_pool(n, seed, families)
-    right = [[rng.random() < a for a in sim_accuracy(q.family, q.level)] for q in qs]
-    texts = [[_sim_response(m, q, r[m], rng) for m in range(len(SIM_NAMES))] for q, r in zip(qs, right)]
-    correct = torch.tensor([[float(is_correct(q, t)) for t in row] for q, row in zip(qs, texts)])
-    gen = torch.tensor([[len(t.split()) for t in row] for row in texts], dtype=torch.long)
-    prompt = torch.tensor([[len(q.text.split()) + 8] * len(SIM_NAMES) for q in qs], dtype=torch.long)
-    q_emb = embed_fn([q.text for q in qs])
-    r_emb = embed_fn([t for row in texts for t in row]).reshape(n, len(SIM_NAMES), -1)
-    return ResponseTable(qs, list(SIM_NAMES), texts, correct, prompt, gen, q_emb, r_emb, capable=[0])
-
-
-def majority_aggregate(table: ResponseTable) -> Callable[[int, int, tuple[int, ...]], tuple[str, int]]:
-    """A stand-in aggregator for the simulation: the most common parsed answer among the references (ties: the first)."""
-    def agg(a: int, qid: int, refs: tuple[int, ...]) -> tuple[str, int]:
-        q = table.questions[qid]
-        answers = [parse_answer(q.family, table.texts[qid][r]) for r in refs]
-        best = max(answers, key=lambda x: (answers.count(x), -answers.index(x)))
-        return f"The answer is {best}.", 10 + sum(int(table.gen_tokens[qid, r]) for r in refs)
-    return agg
