@@ -11,40 +11,41 @@ from scipy.optimize import linprog
 
 from kimi_papers.core.rl import RolloutBatch, get_advantage
 from kimi_papers.rl import spatial_consistency as S
+from kimi_papers.rl import spatial_consistency_experiment as SE
 
 
 def _item(a=(5, 0), b=(4, 0), qtype="lr"):
-    return S.make_item((("a", *a), ("b", *b)), qtype, ("a", "b"))
+    return SE.make_item((("a", *a), ("b", *b)), qtype, ("a", "b"))
 
 
 # ---- scenes, transformations, parsing
 def test_items_and_transforms():
-    it = S.make_item((("a", 2, 7), ("b", 5, 3), ("c", 9, 1)), "lr", ("b", "a"))
+    it = SE.make_item((("a", 2, 7), ("b", 5, 3), ("c", 9, 1)), "lr", ("b", "a"))
     assert it.prompt == "b53 a27 c91 lr b a:" and it.answer == "right" and it.dx == 3
-    assert S.HFLIP(it).answer == "left" and S.SWAP(it).answer == "left" and S.VFLIP(it).answer == "right"
-    assert S.make_item((("a", 2, 7), ("b", 5, 3)), "ab", ("a", "b")).answer == "above"
-    assert S.make_item((("a", 0, 0), ("b", 1, 1), ("c", 3, 0)), "nr", ("a", "b", "c")).answer == "b"
-    for t in (*S.TRANSFORMS.values(), S.compose(S.HFLIP, S.SWAP), S.compose(S.SWAP, S.VFLIP)):
-        S.check_involution(t, n=200)
+    assert SE.HFLIP(it).answer == "left" and SE.SWAP(it).answer == "left" and SE.VFLIP(it).answer == "right"
+    assert SE.make_item((("a", 2, 7), ("b", 5, 3)), "ab", ("a", "b")).answer == "above"
+    assert SE.make_item((("a", 0, 0), ("b", 1, 1), ("c", 3, 0)), "nr", ("a", "b", "c")).answer == "b"
+    for t in (*SE.TRANSFORMS.values(), SE.compose(SE.HFLIP, SE.SWAP), SE.compose(SE.SWAP, SE.VFLIP)):
+        SE.check_involution(t, n=200)
     # HFLIP o SWAP leaves a left/right answer unchanged: it would reward an always-'left' bias (why we train on HFLIP)
-    assert S.compose(S.HFLIP, S.SWAP).tau("left") == "left"
-    gen = S.SpatialGen(qtypes=S.QTYPES, seed=5)
+    assert SE.compose(SE.HFLIP, SE.SWAP).tau("left") == "left"
+    gen = SE.SpatialGen(qtypes=SE.QTYPES, seed=5)
     items = gen.sample(300)
-    assert all(S.true_answer(i.scene, i.qtype, i.query) == i.answer for i in items)
-    assert [i.prompt for i in S.SpatialGen(qtypes=S.QTYPES, seed=5).sample(300)] == [i.prompt for i in items]
+    assert all(SE.true_answer(i.scene, i.qtype, i.query) == i.answer for i in items)
+    assert [i.prompt for i in SE.SpatialGen(qtypes=SE.QTYPES, seed=5).sample(300)] == [i.prompt for i in items]
 
 
 def test_transform_checks_fail_on_broken_transforms():
     with pytest.raises(ValueError, match="tau is not an involution"):
-        S.check_involution(S.Transform("cyc", S.HFLIP.fn, {"left": "right", "right": "above", "above": "left"}))
+        SE.check_involution(SE.Transform("cyc", SE.HFLIP.fn, {"left": "right", "right": "above", "above": "left"}))
     with pytest.raises(ValueError, match="tau\\(answer"):
-        S.check_involution(S.Transform("hflip_no_tau", S.HFLIP.fn, {}))
-    shift = S.Transform("shift", lambda it: S.make_item(tuple((n, (x + 1) % 10, y) for n, x, y in it.scene), it.qtype,
+        SE.check_involution(SE.Transform("hflip_no_tau", SE.HFLIP.fn, {}))
+    shift = SE.Transform("shift", lambda it: SE.make_item(tuple((n, (x + 1) % 10, y) for n, x, y in it.scene), it.qtype,
                                                         it.query), {})
     with pytest.raises(ValueError, match="T is not an involution"):
-        S.check_involution(shift)
+        SE.check_involution(shift)
     with pytest.raises(TypeError, match="Item"):
-        S.HFLIP.apply("a27 b53 lr a b:")
+        SE.HFLIP.apply("a27 b53 lr a b:")
 
 
 def test_parse_answer():
@@ -68,26 +69,26 @@ def test_parse_answer():
 ])
 def test_make_item_bad_input(bad, match):
     with pytest.raises(ValueError, match=match):
-        S.make_item(**bad)
+        SE.make_item(**bad)
 
 
 # ---- the verifier tensor
 def test_consistency_matrix_against_loop_and_hand_case():
     rng = np.random.default_rng(0)
-    aq, at = (torch.tensor(rng.integers(-1, len(S.ANSWERS), (40, 7))) for _ in range(2))
-    for t in S.TRANSFORMS.values():
+    aq, at = (torch.tensor(rng.integers(-1, len(SE.ANSWERS), (40, 7))) for _ in range(2))
+    for t in SE.TRANSFORMS.values():
         assert torch.equal(S.consistency_matrix(aq, at, t.tau_index()), S.consistency_matrix_loop(aq, at, t.tau_index()))
-    V = S.consistency_matrix(torch.tensor([[0, 0, 1, -1]]), torch.tensor([[1, 0, -1, 1]]), S.HFLIP.tau_index())
+    V = S.consistency_matrix(torch.tensor([[0, 0, 1, -1]]), torch.tensor([[1, 0, -1, 1]]), SE.HFLIP.tau_index())
     assert V[0].tolist() == [[1, 0, 0, 1], [1, 0, 0, 1], [0, 1, 0, 0], [0, 0, 0, 0]]
-    assert S.consistency_matrix(aq, at[:, :5], S.HFLIP.tau_index(), allow_unbalanced=True).shape == (40, 7, 5)
+    assert S.consistency_matrix(aq, at[:, :5], SE.HFLIP.tau_index(), allow_unbalanced=True).shape == (40, 7, 5)
 
 
 def test_consistency_matrix_bad_input():
-    z, tau = torch.zeros(2, 4, dtype=torch.long), S.HFLIP.tau_index()
+    z, tau = torch.zeros(2, 4, dtype=torch.long), SE.HFLIP.tau_index()
     with pytest.raises(ValueError, match="different sizes"):
         S.consistency_matrix(z, z[:, :3], tau)
     with pytest.raises(ValueError, match="involutive permutation"):
-        S.consistency_matrix(z, z, torch.roll(torch.arange(len(S.ANSWERS)), 1))
+        S.consistency_matrix(z, z, torch.roll(torch.arange(len(SE.ANSWERS)), 1))
     with pytest.raises(ValueError, match="integer tensor"):
         S.consistency_matrix(z.float(), z, tau)
     with pytest.raises(ValueError, match=r"\[-1"):
@@ -98,7 +99,7 @@ def test_consistency_matrix_bad_input():
 
 # ---- OT matching
 def test_ot_totals_match_closed_forms_on_10k_groups():
-    rng, tau, n_groups = np.random.default_rng(7), S.HFLIP.tau_index(), 0
+    rng, tau, n_groups = np.random.default_rng(7), SE.HFLIP.tau_index(), 0
     for G in range(1, 17):
         n = 640
         aq, at = torch.tensor(rng.integers(0, 2, (n, G))), torch.tensor(rng.integers(0, 2, (n, G)))
@@ -117,7 +118,7 @@ def test_ot_totals_match_closed_forms_on_10k_groups():
 
 
 def test_ot_hand_cases_hedging_and_ties():
-    tau = S.HFLIP.tau_index()
+    tau = SE.HFLIP.tau_index()
     C = S.consistency_matrix(torch.tensor([[0, 0, 0, 1]]), torch.tensor([[1, 1, 0, 0]]), tau)
     assert S.ot_pair_rewards(C, "min")[0].sum() == 1 and S.ot_pair_rewards(C, "max")[0].sum() == 3
     # the only consistent pair of the minimal matching is a q-'left' with a T(q)-'right' (the joint majority)
@@ -156,9 +157,9 @@ def test_ot_bad_input():
     with pytest.raises(ValueError, match="count"):
         S.ot_min_binary_closed_form(5, 1, 4)
     with pytest.raises(ValueError, match="binary answers"):
-        S.binary_matching_totals(torch.tensor([[0, 2]]), torch.tensor([[1, 1]]), S.HFLIP.tau_index())
+        S.binary_matching_totals(torch.tensor([[0, 2]]), torch.tensor([[1, 1]]), SE.HFLIP.tau_index())
     with pytest.raises(ValueError, match="no -1"):
-        S.binary_matching_totals(torch.tensor([[0, -1]]), torch.tensor([[1, 1]]), S.HFLIP.tau_index())
+        S.binary_matching_totals(torch.tensor([[0, -1]]), torch.tensor([[1, 1]]), SE.HFLIP.tau_index())
 
 
 # ---- advantages and the baselines' rewards
@@ -193,8 +194,8 @@ def _fake_batch(items, texts):
 
 def test_hook_rewards_and_no_label_leak():
     q = _item()
-    items, texts = [q] * 4 + [S.HFLIP(q)] * 4, ["left", "left", "right", "x", "right", "left", "left", "right"]
-    out = {a: S.ConsistencyReward(a, S.HFLIP)(_fake_batch(items, texts)).reward for a in S.ARMS}
+    items, texts = [q] * 4 + [SE.HFLIP(q)] * 4, ["left", "left", "right", "x", "right", "left", "left", "right"]
+    out = {a: SE.ConsistencyReward(a, SE.HFLIP)(_fake_batch(items, texts)).reward for a in SE.ARMS}
     assert out["gt"].tolist() == [0, 0, 1, 0, 0, 1, 1, 0]
     assert out["majority"].tolist() == [1, 1, 0, 0, 1, 1, 1, 1]
     assert out["ot_min"].sum() == 0 and out["ot_max"][:4].sum() == 3 and out["ot_max"][4:].sum() == 3
@@ -202,17 +203,17 @@ def test_hook_rewards_and_no_label_leak():
     perm = torch.randperm(8, generator=torch.Generator().manual_seed(1))
     shuf = _fake_batch([items[i] for i in perm], [texts[i] for i in perm])
     shuf = dataclasses.replace(shuf, uid=_fake_batch(items, texts).uid[perm], role=_fake_batch(items, texts).role[perm])
-    assert torch.equal(S.ConsistencyReward("allpairs", S.HFLIP)(shuf).reward, out["allpairs"][perm])
+    assert torch.equal(SE.ConsistencyReward("allpairs", SE.HFLIP)(shuf).reward, out["allpairs"][perm])
     # a label-free arm never reads the true answer: corrupting every label leaves its rewards unchanged
     wrong = [dataclasses.replace(it, answer="below") for it in items]
     for arm in ("ot_min", "ot_max", "allpairs", "majority"):
-        assert torch.equal(S.ConsistencyReward(arm, S.HFLIP, seed=0)(_fake_batch(wrong, texts)).reward, out[arm])
+        assert torch.equal(SE.ConsistencyReward(arm, SE.HFLIP, seed=0)(_fake_batch(wrong, texts)).reward, out[arm])
     with pytest.raises(ValueError, match="arm"):
-        S.ConsistencyReward("ot_mean", S.HFLIP)
+        SE.ConsistencyReward("ot_mean", SE.HFLIP)
     with pytest.raises(TypeError, match="Transform"):
-        S.ConsistencyReward("ot_min", "hflip")
+        SE.ConsistencyReward("ot_min", "hflip")
     with pytest.raises(ValueError, match="paired groups"):
-        S.ConsistencyReward("ot_min", S.HFLIP)(dataclasses.replace(_fake_batch(items, texts), role=None))
+        SE.ConsistencyReward("ot_min", SE.HFLIP)(dataclasses.replace(_fake_batch(items, texts), role=None))
 
 
 def test_run_config_bad_input():
@@ -220,39 +221,39 @@ def test_run_config_bad_input():
                       (dict(arm="ot_min", seeds=(1, 1)), "seeds"), (dict(arm="ot_min", steps=0), "steps"),
                       (dict(arm="ot_min", lr=-1.0), "lr")):
         with pytest.raises(ValueError, match=match):
-            S.RunConfig(**kw)
+            SE.RunConfig(**kw)
     with pytest.raises(ValueError, match="n_obj"):
-        S.SpatialGen(n_obj=(1, 2))
+        SE.SpatialGen(n_obj=(1, 2))
 
 
 # ---- the noisy-label fixture and a short run
 def test_label_noise_frequencies():
     import random
-    noise, rng = S.LabelNoise(), random.Random(0)
+    noise, rng = SE.LabelNoise(), random.Random(0)
     near_r, far_r = _item((5, 0), (4, 0)), _item((9, 0), (1, 0))
     freq = lambda it: np.mean([noise.label(it, rng) == "left" for _ in range(5000)])
-    assert abs(freq(near_r) - 0.6) < 0.03 and abs(freq(S.HFLIP(near_r)) - 0.9) < 0.03 and abs(freq(far_r) - 0.3) < 0.03
+    assert abs(freq(near_r) - 0.6) < 0.03 and abs(freq(SE.HFLIP(near_r)) - 0.9) < 0.03 and abs(freq(far_r) - 0.3) < 0.03
 
 
 def test_fixture_loads_and_is_noisy_but_skilled():
-    assert S.fixture_file().is_file() and S.fixture_file().stat().st_size < 2 * 2**20
-    policy, info = S.tiny_spatial_policy()
+    assert SE.fixture_file().is_file() and SE.fixture_file().stat().st_size < 2 * 2**20
+    policy, info = SE.tiny_spatial_policy()
     assert info["source"] == "tiny_sft.pt"
-    items = S.SpatialTask(("lr",)).heldout(160)
-    ans = S.sample_answers(policy, items, samples=2, seed=0)
-    ok = ans == torch.tensor([S.ANSWERS.index(i.answer) for i in items])[:, None]
+    items = SE.SpatialTask(("lr",)).heldout(160)
+    ans = SE.sample_answers(policy, items, samples=2, seed=0)
+    ok = ans == torch.tensor([SE.ANSWERS.index(i.answer) for i in items])[:, None]
     near_right = torch.tensor([abs(i.dx) <= 2 and i.answer == "right" for i in items])
     assert 0.5 < float(ok.float().mean()) < 0.8 and float((ans < 0).float().mean()) < 0.05   # right-majority but unsure
     assert float(ok[near_right].float().mean()) < 0.5                                         # wrong-majority where the bias lives
-    assert torch.equal(ans[:16], S.sample_answers(policy, items[:16], samples=2, seed=0))
+    assert torch.equal(ans[:16], SE.sample_answers(policy, items[:16], samples=2, seed=0))
 
 
 @pytest.mark.slow
 def test_short_run_is_deterministic():
-    policy, _ = S.tiny_spatial_policy()
-    ev = S.EvalSet.build(16)
-    cfg = S.RunConfig(arm="ot_min", seeds=(0,), steps=2, prompts_per_step=4, group_size=4, eval_n=16, eval_samples=2)
-    a, b = S.run_consistency_rl(cfg, policy, ev), S.run_consistency_rl(cfg, policy, ev)
+    policy, _ = SE.tiny_spatial_policy()
+    ev = SE.EvalSet.build(16)
+    cfg = SE.RunConfig(arm="ot_min", seeds=(0,), steps=2, prompts_per_step=4, group_size=4, eval_n=16, eval_samples=2)
+    a, b = SE.run_consistency_rl(cfg, policy, ev), SE.run_consistency_rl(cfg, policy, ev)
     pd_cols = ["reward", "batch_consistency", "acc"]
     assert a[pd_cols].fillna(-1).equals(b[pd_cols].fillna(-1)) and len(a[a.phase == "train"]) == 2
 
@@ -260,12 +261,12 @@ def test_short_run_is_deterministic():
 @pytest.mark.slow
 def test_compiled_kernels_equal_eager():
     rng = np.random.default_rng(2)
-    aq, at = (torch.tensor(rng.integers(-1, len(S.ANSWERS), (64, 8))) for _ in range(2))
-    tau = S.SWAP.tau_index()
+    aq, at = (torch.tensor(rng.integers(-1, len(SE.ANSWERS), (64, 8))) for _ in range(2))
+    tau = SE.SWAP.tau_index()
     assert torch.equal(S.consistency_matrix(aq, at, tau, compiled=True), S.consistency_matrix(aq, at, tau))
     bq, bt = (torch.tensor(rng.integers(0, 2, (64, 8))) for _ in range(2))
-    for x, y in zip(S.binary_matching_totals(bq, bt, S.HFLIP.tau_index(), compiled=True),
-                    S.binary_matching_totals(bq, bt, S.HFLIP.tau_index())):
+    for x, y in zip(S.binary_matching_totals(bq, bt, SE.HFLIP.tau_index(), compiled=True),
+                    S.binary_matching_totals(bq, bt, SE.HFLIP.tau_index())):
         assert torch.equal(x, y)
 
 
@@ -274,7 +275,7 @@ def test_compiled_kernels_equal_eager():
 def test_cuda_device_agnostic():
     cu = torch.device("cuda")
     rng = np.random.default_rng(0)
-    aq, at = (torch.tensor(rng.integers(-1, len(S.ANSWERS), (8, 6))) for _ in range(2))
-    C = S.consistency_matrix(aq.to(cu), at.to(cu), S.SWAP.tau_index(cu))
-    assert C.device.type == "cuda" and torch.equal(C.cpu(), S.consistency_matrix(aq, at, S.SWAP.tau_index()))
+    aq, at = (torch.tensor(rng.integers(-1, len(SE.ANSWERS), (8, 6))) for _ in range(2))
+    C = S.consistency_matrix(aq.to(cu), at.to(cu), SE.SWAP.tau_index(cu))
+    assert C.device.type == "cuda" and torch.equal(C.cpu(), S.consistency_matrix(aq, at, SE.SWAP.tau_index()))
     assert S.ot_pair_rewards(C)[0].device.type == "cuda" and S.majority_rewards(aq.to(cu)).device.type == "cuda"
