@@ -17,15 +17,14 @@ import torch
 from scipy import optimize, stats
 from torch import Tensor
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
 
 # %% auto #0
-__all__ = ['nn_chunk_compiled', 'TableSchema', 'check_table', 'random_api', 'mutation_rate', 'variation_api', 'embed', 'make_xor',
-           'parity_fraction', 'downstream_accuracy', 'load_sklearn', 'nn_chunk', 'nn_vote', 'nn_vote_cdist',
-           'gdp_delta', 'epsilon_for', 'gaussian_sigma_for', 'default_delta', 'split_counts', 'PEHistory', 'tab_pe',
-           'zcdp_rho', 'discretise', 'undiscretise', 'contingency', 'mst_style', 'independent_marginals',
-           'kway_marginal', 'marginal_tvd']
+__all__ = ['nn_chunk_compiled', 'TableSchema', 'check_table', 'random_api', 'mutation_rate', 'variation_api', 'embed', 'nn_chunk',
+           'nn_vote', 'nn_vote_cdist', 'gdp_delta', 'epsilon_for', 'gaussian_sigma_for', 'default_delta',
+           'split_counts', 'PEHistory', 'tab_pe', 'zcdp_rho', 'discretise', 'undiscretise', 'contingency', 'mst_style',
+           'independent_marginals', 'kway_marginal', 'marginal_tvd']
 
 # %% ../../nbs/science/tab_pe.ipynb #9cc7fffb
 @dataclass
@@ -128,65 +127,6 @@ def embed(df: pd.DataFrame, schema: TableSchema, w_cat: float = 1 / 3, w_num: fl
         v = (df[c].to_numpy(float) - lo) / (hi - lo) if hi > lo else np.zeros(len(df))
         parts.append((v * w_num).astype(np.float32)[:, None])
     return np.concatenate(parts, axis=1) if parts else np.zeros((len(df), 0), np.float32)
-
-# %% ../../nbs/science/tab_pe.ipynb #61ab9d12
-def make_xor(k: int, n: int, n_distractors: int | None = None, n_numeric: int = 2,
-             rng: np.random.Generator | None = None) -> tuple[pd.DataFrame, TableSchema]:
-    """XOR stress test: binary b0..b(k-1) informative, y = their parity, (8 - k) distractor bits, n_numeric U(0, 1) columns."""
-    k, n = check_int("k", k), check_int("n", n)
-    n_distractors = 8 - k if n_distractors is None else check_int("n_distractors", n_distractors, 0)
-    rng = rng if rng is not None else np.random.default_rng(0)
-    bits = rng.integers(0, 2, (n, k + n_distractors))
-    df = pd.DataFrame({f"b{j}": bits[:, j] for j in range(bits.shape[1])})
-    for j in range(n_numeric):
-        df[f"x{j}"] = rng.random(n)
-    df["y"] = bits[:, :k].sum(1) % 2
-    schema = TableSchema(cat={f"b{j}": [0, 1] for j in range(bits.shape[1])}, num={f"x{j}": (0.0, 1.0, False) for j in range(n_numeric)},
-                         label="y", label_values=[0, 1], label_props=[0.5, 0.5])
-    return df, schema
-
-
-def parity_fraction(df: pd.DataFrame, k: int, label: str = "y") -> float:
-    """Fraction of rows whose label equals the parity of b0..b(k-1)."""
-    bits = df[[f"b{j}" for j in range(k)]].to_numpy(int)
-    return float((bits.sum(1) % 2 == df[label].to_numpy(int)).mean())
-
-
-def _xy(df: pd.DataFrame, schema: TableSchema) -> tuple[np.ndarray, np.ndarray]:
-    x = [pd.Categorical(df[c], categories=v).codes.astype(float) for c, v in schema.cat.items()]
-    x += [df[c].to_numpy(float) for c in schema.num]
-    return np.stack(x, 1), pd.Categorical(df[schema.label], categories=schema.label_values).codes
-
-
-def downstream_accuracy(synth: pd.DataFrame, test: pd.DataFrame, schema: TableSchema, evaluator: str = "hgb", seed: int = 0) -> float:
-    """Accuracy on real `test` of a classifier ("hgb" HistGradientBoosting or "rf" RandomForest(300)) trained on `synth`."""
-    from sklearn.ensemble import HistGradientBoostingClassifier, RandomForestClassifier
-    makers = {"hgb": lambda: HistGradientBoostingClassifier(random_state=seed),
-              "rf": lambda: RandomForestClassifier(300, random_state=seed, n_jobs=1)}
-    if evaluator not in makers:
-        raise ValueError(f"evaluator={evaluator!r}: expected one of {sorted(makers)}")
-    (xs, ys), (xt, yt) = _xy(synth, schema), _xy(test, schema)
-    if len(np.unique(ys)) < 2:
-        return float((yt == ys[0]).mean())  # a one-class synthetic set: the constant classifier
-    return float((makers[evaluator]().fit(xs, ys).predict(xt) == yt).mean())
-
-
-def load_sklearn(name: str, seed: int = 0, test_frac: float = 0.3) -> tuple[pd.DataFrame, pd.DataFrame, TableSchema]:
-    """sklearn's breast_cancer / wine (offline) as a stratified 70/30 split, with a schema whose bounds are the data set's range rounded outward."""
-    from sklearn import datasets
-    from sklearn.model_selection import train_test_split
-    loaders = {"breast_cancer": datasets.load_breast_cancer, "wine": datasets.load_wine}
-    if name not in loaders:
-        raise ValueError(f"name={name!r}: expected one of {sorted(loaders)}")
-    bunch = loaders[name](as_frame=True)
-    df = bunch.frame.rename(columns=lambda c: c.replace(" ", "_"))
-    feats = [c for c in df.columns if c != "target"]
-    pad = lambda lo, hi: (math.floor(lo * 10) / 10, math.ceil(hi * 10) / 10)  # public bounds: a coarse rounding of the range
-    schema = TableSchema(cat={}, num={c: (*pad(df[c].min(), df[c].max()), False) for c in feats}, label="target",
-                         label_values=sorted(df.target.unique().tolist()),
-                         label_props=(df.target.value_counts(normalize=True).sort_index()).tolist())
-    tr, te = train_test_split(df, test_size=test_frac, random_state=seed, stratify=df.target)
-    return tr.reset_index(drop=True), te.reset_index(drop=True), schema
 
 # %% ../../nbs/science/tab_pe.ipynb #0de0da62
 def nn_chunk(p: Tensor, s: Tensor, s_sq: Tensor, k: int = 1) -> Tensor:
@@ -497,3 +437,10 @@ def marginal_tvd(a: pd.DataFrame, b: pd.DataFrame, schema: TableSchema, way: int
         cols = sorted(rng.choice(len(sizes), way, replace=False).tolist())
         tv.append(0.5 * np.abs(contingency(ca, sizes, cols) / len(a) - contingency(cb, sizes, cols) / len(b)).sum())
     return float(np.mean(tv))
+
+# %% ../../nbs/science/tab_pe.ipynb #c171f855
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, (
+    'make_xor', 'parity_fraction', 'downstream_accuracy', 'load_sklearn'),
+    "kimi_papers.science.tab_pe_experiment")
+
