@@ -11,10 +11,12 @@ import torch
 from kimi_papers.core.flops import model_cost, measured_flops
 from kimi_papers.core.nn import CausalLM
 from kimi_papers.architectures.meta_moe import (
-    EOS, PAD, SEP, ContextAwareMoEFFN, LoRAFFN, MetaMoELM, QAData, build_moe, btm_predict, category, coverage,
-    dpp_greedy, dpp_greedy_numpy, encode, eq8_parts, evaluate, make_private, make_public, model_soup, moe_lora_ffn,
-    moe_lora_ffn_reference, prompt_mask, relevance_only_select, routing_vectors, rw_dpp_kernel, rw_dpp_select,
-    seed_config, target_mask, with_lora)
+    EOS, PAD, SEP, ContextAwareMoEFFN, LoRAFFN, MetaMoELM, QAData, build_moe, btm_predict, dpp_greedy, encode,
+    model_soup, moe_lora_ffn, prompt_mask, relevance_only_select, routing_vectors, rw_dpp_kernel, rw_dpp_select,
+    target_mask, with_lora)
+from kimi_papers.architectures.meta_moe_experiment import (
+    category, coverage, dpp_greedy_numpy, eq8_parts, evaluate, make_private, make_public, moe_lora_ffn_reference,
+    seed_config)
 
 
 def _lm(seed=0):
@@ -266,3 +268,13 @@ def test_cuda_kernel_dpp_and_moe_match_cpu():
     out_c, out_g = evaluate(moe_cpu, test), evaluate(moe_gpu, test)
     assert out_c["acc_avg"] == pytest.approx(out_g["acc_avg"], abs=0.03)
     assert routing_vectors(moe_gpu, test["strings"]).device.type == "cuda"
+
+
+def test_moved_harness_names_resolve_with_a_warning():
+    """Names that moved to meta_moe_experiment in the module split still import from meta_moe (deprecated)."""
+    import kimi_papers.architectures.meta_moe as method
+    import kimi_papers.architectures.meta_moe_experiment as experiment
+    with pytest.warns(DeprecationWarning, match="meta_moe_experiment"):
+        assert method.run_seed is experiment.run_seed and method.make_public is experiment.make_public
+    with pytest.raises(AttributeError, match="no_such_name"):
+        method.no_such_name
