@@ -1,15 +1,17 @@
 """kimi_papers.agents.world_travel as a library: generator invariants, the scorer by hand, the batch kernel against the
 scalar reference, the planners' guarantees, the page parser and the bad-input errors."""
+import hashlib
 import json
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
 from kimi_papers.agents.world_travel import (COUPLINGS, DECOY_RULES, BeamAgent, Constraint, CSPSolver, GreedyAgent,
-                                             PageParser, PerceptionAgent, Scenario, ScenarioGenerator, TravelEnv,
-                                             as_plans, feasibility_curve, hhmm, parse_plan, perceive, prefix_ok,
-                                             render_page, structure_ok, validate, validate_batch)
+                                             Scenario, TravelEnv, TravelObservation, as_plans, hhmm, observation_of,
+                                             parse_plan, prefix_ok, render_page, structure_ok, validate, validate_batch)
+from kimi_papers.agents.world_travel_experiment import (PageParser, PerceptionAgent, ScenarioGenerator,
+                                                        feasibility_curve, perceive, run_agent)
 
 CUDA = torch.cuda.is_available()
 
@@ -162,6 +164,44 @@ def test_pages_and_parser(scen):
     for bad, match in ((lambda: TravelEnv(scen, "pdf"), "mode"), (lambda: env.open("ZZ-0"), "unknown"), (lambda: env.search("spa"), "kind")):
         with pytest.raises(ValueError, match=match):
             bad()
+
+
+def test_observation_holds_no_truth(scen):
+    """The agent's view has exactly these fields: adding the witness, the decoys or the coupling to it fails here."""
+    obs = TravelEnv(scen).observation
+    assert {f.name for f in fields(TravelObservation)} == {"ids", "names", "tab", "transit", "kinds", "options",
+                                                            "constraints", "days", "key"}
+    assert not any(hasattr(obs, n) for n in ("witness", "decoys", "coupling", "truth", "scen"))
+    assert obs.key == scen.key[:2] and list(obs.constraints) == scen.constraints and torch.equal(obs.tab, scen.tab)
+    assert len(obs.describe()) == scen.K and obs.describe()[0] == scen.constraints[0].describe(scen)
+    env = TravelEnv(scen)
+    assert observation_of(obs) is obs and observation_of(env) is env.observation and env.truth is scen
+    with pytest.raises(TypeError, match="world"):
+        observation_of("a scenario")
+    with pytest.raises(AttributeError):
+        obs.tab = None  # frozen
+
+
+def test_agents_see_only_the_observation_and_act_as_before():
+    """Plans and scores of four agents on four scenarios, each agent given only the observation, equal the ones the
+    agents produced from the full scenario before the observation existed (digest pinned from commit 4a15e89)."""
+    out, seen = [], []
+    for K, c, sd, i in [(5, "tight", 0, 0), (15, "tight", 1, 2), (15, "loose", 2, 1), (25, "tight", 3, 0)]:
+        s = ScenarioGenerator(K, c, sd).sample(i)
+        for a in (CSPSolver(compiled=False), GreedyAgent("cheapest", compiled=False), GreedyAgent("random", compiled=False),
+                  BeamAgent(4, 2, compiled=False)):
+            p = a(s.observe())
+            v = validate(p, s)
+            out.append((p.tolist(), v["feasible"], round(v["pass_rate"], 6)))
+            assert torch.equal(a(s), p)  # a scenario handed to an agent is reduced to its observation first
+    assert hashlib.sha1(repr(out).encode()).hexdigest() == "ecfcbad24d4500cd1973ccd7a5a7b7aa38131656"
+
+    def spy(world):
+        seen.append(type(world))
+        return CSPSolver(compiled=False)(world)
+    spy.name = "spy"
+    row = run_agent(spy, ScenarioGenerator(5, "tight", 0).sample(0))
+    assert seen == [TravelObservation] and row["feasible"]
 
 
 @pytest.mark.slow

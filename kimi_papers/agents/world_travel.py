@@ -7,23 +7,22 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
-import pandas as pd
 import torch
 import torch.fx.experimental._config
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
 
 # %% auto #0
 __all__ = ['SLOT_KINDS', 'DAY_KINDS', 'PREFIX', 'COLS', 'N_DISTRICTS', 'MAX_CONSTRAINTS', 'DECOY_RULES', 'COUPLINGS', 'KINDS',
-           'UNARY', 'validate_batch_compiled', 'slot_kinds', 'hhmm', 'draw_option', 'Constraint', 'Scenario',
-           'ScenarioGenerator', 'draw_constraints', 'parse_plan', 'structure_ok', 'validate', 'validate_batch_eager',
-           'validate_batch', 'schedule', 'as_plans', 'prefix_ok', 'extend', 'BeamAgent', 'GreedyAgent', 'CSPSolver',
-           'render_page', 'PageParser', 'TravelEnv', 'perceive', 'PerceptionAgent', 'run_agent', 'feasibility_curve']
+           'UNARY', 'validate_batch_compiled', 'slot_kinds', 'hhmm', 'Constraint', 'TravelObservation', 'Scenario',
+           'observation_of', 'parse_plan', 'structure_ok', 'validate', 'validate_batch_eager', 'validate_batch',
+           'schedule', 'as_plans', 'prefix_ok', 'extend', 'BeamAgent', 'GreedyAgent', 'CSPSolver', 'render_page',
+           'TravelEnv']
 
 # %% ../../nbs/agents/world_travel.ipynb #1efd313a
 SLOT_KINDS, DAY_KINDS = ("transport", "hotel", "dinner"), ("attraction", "lunch", "attraction")
@@ -31,10 +30,6 @@ PREFIX = {"transport": "TR", "hotel": "HT", "dinner": "RS", "lunch": "RS", "attr
 COLS = ("slot", "open", "close", "dur", "price", "district", "flag")  # entity table; times in minutes from day 0 00:00
 N_DISTRICTS, MAX_CONSTRAINTS = 5, 40
 DECOY_RULES, COUPLINGS = ("same", "best", "none"), ("tight", "loose")
-_WORDS = ("Amber", "Basalt", "Cedar", "Delta", "Ember", "Fjord", "Garnet", "Harbor", "Iris", "Juniper", "Kestrel", "Lumen")
-_SPANS = {"dinner": (1080, 1170, 180, 240, 45, 90, 15, 80), "lunch": (660, 750, 120, 180, 40, 75, 10, 50),
-          "attraction": (480, 660, 240, 480, 60, 180, 0, 60)}  # open lo/hi, window, duration and price ranges
-
 def slot_kinds(days: int) -> list[str]:
     """The fixed decision skeleton: transport, hotel, dinner on day 0, then attraction/lunch/attraction per day."""
     return list(SLOT_KINDS) + list(DAY_KINDS) * days
@@ -43,22 +38,6 @@ def hhmm(minute: int) -> str:
     """Minute of the day as 24-hour HH:MM (the day is carried separately)."""
     return f"{minute % 1440 // 60:02d}:{minute % 60:02d}"
 
-def _u5(rng: np.random.Generator, lo: int, hi: int) -> int:
-    return int(rng.integers(lo // 5, hi // 5 + 1)) * 5
-
-def draw_option(kind: str, day: int, rng: np.random.Generator) -> list[int]:
-    """One option's [open, close, dur, price, district, flag]: one distribution per kind, decoys included."""
-    base, dist = day * 1440, int(rng.integers(N_DISTRICTS))
-    if kind == "transport":
-        dep, dur = base + _u5(rng, 360, 780), _u5(rng, 60, 240)
-        return [dep, dep + dur, dur, _u5(rng, 60, 400), dist, 0]
-    if kind == "hotel":  # flag = late check-in: until 01:00 next day instead of 22:00
-        late = int(rng.random() < 0.5)
-        return [base + _u5(rng, 840, 960), base + (1500 if late else 1320), 15, _u5(rng, 60, 300), dist, late]
-    lo, hi, wmin, wmax, dmin, dmax, pmin, pmax = _SPANS[kind]
-    op = base + _u5(rng, lo, hi)
-    flag = int(kind == "attraction" and rng.random() < 0.5)  # step-free access
-    return [op, op + _u5(rng, wmin, wmax), _u5(rng, dmin, dmax), _u5(rng, pmin, pmax), dist, flag]
 
 # %% ../../nbs/agents/world_travel.ipynb #ab89c5a7
 KINDS = ("price_cap", "flag", "not_district", "exclude",  # unary: one decision
@@ -118,30 +97,18 @@ class Constraint:
                                        vd=self.v // 1440, vt=hhmm(self.v))
 
 # %% ../../nbs/agents/world_travel.ipynb #f0337b78
-@dataclass
-class Scenario:
-    """A planning instance: entities (`tab` [E, 7] long, columns `COLS`), the slot skeleton, K constraints, a witness."""
-    ids: list[str]
-    names: list[str]
-    tab: torch.Tensor
-    transit: torch.Tensor       # [N_DISTRICTS, N_DISTRICTS] long, minutes
-    kinds: list[str]            # per slot
-    options: list[list[int]]    # entity indices per slot
-    constraints: list[Constraint]
-    witness: torch.Tensor       # [S, 2] long: (entity, start minute)
-    days: int
-    coupling: str = "tight"
-    decoys: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, entity, depth)
-    key: tuple = (0, 0)
+class _Tables:
+    """Lookups derived from the entity table and the constraints, shared by `Scenario` and `TravelObservation`."""
 
     def __post_init__(self):
-        self.rows, self._tr = self.tab.tolist(), self.transit.tolist()
-        self.index = {i: n for n, i in enumerate(self.ids)}
-        self.min_price = [min((self.rows[e][4] for e in opts), default=0) for opts in self.options]
-        self.gap_req = [max([c.v for c in self.constraints if c.kind == "gap" and c.b == s] + [0]) for s in range(self.S)]
-        dev = self.tab.device
-        self.cons_tab = torch.tensor([[KINDS.index(c.kind), c.a, c.b, c.x, c.v] for c in self.constraints], dtype=torch.long, device=dev).reshape(-1, 5)
-        self.slot_min = torch.tensor(self.min_price, dtype=torch.long, device=dev)
+        rows, dev = self.tab.tolist(), self.tab.device
+        got = dict(rows=rows, _tr=self.transit.tolist(), index={i: n for n, i in enumerate(self.ids)},
+                   min_price=[min((rows[e][4] for e in opts), default=0) for opts in self.options])
+        got["gap_req"] = [max([c.v for c in self.constraints if c.kind == "gap" and c.b == s] + [0]) for s in range(self.S)]
+        got["cons_tab"] = torch.tensor([[KINDS.index(c.kind), c.a, c.b, c.x, c.v] for c in self.constraints], dtype=torch.long, device=dev).reshape(-1, 5)
+        got["slot_min"] = torch.tensor(got["min_price"], dtype=torch.long, device=dev)
+        for name, val in got.items():
+            object.__setattr__(self, name, val)  # derived, not fields (the observation is frozen)
 
     S = property(lambda self: len(self.kinds))
     K = property(lambda self: len(self.constraints))
@@ -149,107 +116,55 @@ class Scenario:
     def transit_of(self, e1: int, e2: int) -> int:
         return self._tr[self.rows[e1][5]][self.rows[e2][5]]
 
+@dataclass(frozen=True, eq=False)
+class TravelObservation(_Tables):
+    """What an agent may see: entities (`tab` [E, 7] long, columns `COLS`), transit, the slot skeleton, the options per
+    slot and the K constraints, listed; `key` names the instance. No witness, no decoys, no generator settings."""
+    ids: list[str]
+    names: list[str]
+    tab: torch.Tensor
+    transit: torch.Tensor       # [N_DISTRICTS, N_DISTRICTS] long, minutes
+    kinds: list[str]            # per slot
+    options: list[list[int]]    # entity indices per slot
+    constraints: tuple[Constraint, ...]
+    days: int
+    key: tuple = (0, 0)         # (generator seed, index)
+
+    def describe(self) -> list[str]:
+        """The K constraints in words, one string each."""
+        return [c.describe(self) for c in self.constraints]
+
+@dataclass
+class Scenario(_Tables):
+    """A planning instance and its truth: what the agent sees (`observe()`), plus the hidden witness and the decoys."""
+    ids: list[str]
+    names: list[str]
+    tab: torch.Tensor
+    transit: torch.Tensor       # [N_DISTRICTS, N_DISTRICTS] long, minutes
+    kinds: list[str]            # per slot
+    options: list[list[int]]    # entity indices per slot
+    constraints: list[Constraint]
+    witness: torch.Tensor | None  # [S, 2] long: (entity, start minute); None for a world without a known solution
+    days: int
+    coupling: str = "tight"
+    decoys: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, entity, depth)
+    key: tuple = (0, 0)
+
+    def observe(self) -> TravelObservation:
+        """The agent's view: everything but the witness, the decoys and the generator's settings (key = (seed, index))."""
+        return TravelObservation(self.ids, self.names, self.tab, self.transit, self.kinds, self.options,
+                                 tuple(self.constraints), self.days, tuple(self.key[:2]))
+
     def coupling_stat(self) -> float:
         """The fraction of constraints that span two or more decisions."""
         return float(np.mean([c.coupled for c in self.constraints])) if self.constraints else 0.0
 
-def _asap(rows: list[list[int]], tr: np.ndarray, waits: Sequence[int]) -> list[int] | None:
-    """Start minutes of a chain of options ([open, close, dur, price, district, flag]) after the waits, or None."""
-    starts = [rows[0][0]]
-    for p, r, w in zip(rows, rows[1:], waits[1:]):
-        starts.append(max(r[0], starts[-1] + p[2] + int(tr[p[4], r[4]]) + w))
-    return starts if all(st + r[2] <= r[1] for st, r in zip(starts, rows)) else None
+def observation_of(world) -> TravelObservation:
+    """What an agent may see of a `TravelObservation` (itself), a `Scenario` or a `TravelEnv`; agents read nothing else."""
+    if isinstance(world, TravelObservation): return world
+    if hasattr(world, "observe"): return world.observe()
+    raise TypeError(f"world: expected a TravelObservation, Scenario or TravelEnv, got {type(world).__name__}")
 
-class ScenarioGenerator:
-    """Seeded scenarios (our reconstruction): a world from (seed, index) alone, a hidden witness, K constraints it satisfies;
-    tight = decoy links (fixed count and depth at every K) plus coupled constraints, loose = unary constraints only."""
-
-    def __init__(self, n_constraints: int, coupling: str = "tight", seed: int = 0, decoys: str = "same",
-                 n_decoys: int = 2, n_options: int = 4, days: int | None = None):
-        self.K, self.seed = check_int("n_constraints", n_constraints), check_int("seed", seed, 0)
-        self.n_decoys, self.n_options = check_int("n_decoys", n_decoys, 0), check_int("n_options", n_options, 2)
-        if self.K > MAX_CONSTRAINTS:
-            raise ValueError(f"n_constraints={n_constraints}: the generator supports at most {MAX_CONSTRAINTS}")
-        for name, val, ok in zip(("coupling", "decoys", "days"), (coupling, decoys, days), (COUPLINGS, DECOY_RULES, (None, 1, 2))):
-            if val not in ok: raise ValueError(f"{name}={val!r}: expected one of {ok}")
-        self.coupling, self.decoys, self.days, self._next = coupling, decoys, days, 0
-
-    def sample(self, index: int | None = None) -> Scenario:
-        """Scenario number `index` (default: the next one) of this generator's stream."""
-        if index is None:
-            index, self._next = self._next, self._next + 1
-        rng = np.random.default_rng([self.seed, check_int("index", index, 0)])
-        kinds = slot_kinds(days := self.days or int(rng.integers(1, 3)))
-        S, day, starts = len(kinds), [0, 0, 0] + [1 + i // 3 for i in range(3 * days)], None
-        while starts is None:  # redraw the world until a random chain of options is feasible: the witness
-            opts = [[draw_option(k, d, rng) for _ in range(self.n_options)] for k, d in zip(kinds, day)]
-            tr = np.triu(rng.integers(2, 10, size=(N_DISTRICTS, N_DISTRICTS)) * 5, 1)
-            tr = tr + tr.T + 5 * np.eye(N_DISTRICTS, dtype=int)
-            for _ in range(50):
-                pick = rng.integers(self.n_options, size=S)
-                waits = [_u5(rng, 0, 60) if rng.random() < 0.5 else 0 for _ in range(S)]
-                if (starts := _asap([opts[s][pick[s]] for s in range(S)], tr, waits)) is not None: break
-        dec_slots = rng.choice(S - 3, size=min(self.n_decoys, S - 3), replace=False)  # drawn for every rule and K
-        dec_depth, dec_rows = rng.integers(1, 4, size=len(dec_slots)), [draw_option(kinds[s], day[s], rng) for s in dec_slots]
-        if self.decoys == "best":  # the original spec's rule: as early as the earliest-finishing option, and cheapest
-            for s, r in zip(dec_slots, dec_rows):
-                r[:] = min(opts[s], key=lambda o: o[0] + o[2])[:3] + [max(0, min(o[3] for o in opts[s]) - 5)] + r[4:]
-        extra = {} if self.decoys == "none" else {int(s): (int(d), r) for s, d, r in zip(dec_slots, dec_depth, dec_rows)}
-        rows, options, wit, dec = [], [], [], []
-        for s in range(S):  # shuffle each slot's options (decoy included) into one entity table
-            slot_rows = opts[s] + ([extra[s][1]] if s in extra else [])
-            options.append(list(range(len(rows), len(rows) + len(slot_rows))))
-            for j in rng.permutation(len(slot_rows)):
-                wit += [[len(rows), starts[s]]] if j == pick[s] else []
-                dec += [(s, len(rows), extra[s][0])] if j == self.n_options else []
-                rows.append([s] + slot_rows[j])
-        nums = rng.permutation(900)[: len(rows)] + 100
-        scen = Scenario([f"{PREFIX[kinds[r[0]]]}-{n}" for r, n in zip(rows, nums)],
-                        [f"{_WORDS[n % 12]} {_WORDS[n // 12 % 12]} {kinds[r[0]].title()}" for r, n in zip(rows, nums)],
-                        torch.tensor(rows), torch.tensor(tr), kinds, options, [], torch.tensor(wit), days,
-                        self.coupling, dec, (self.seed, index, self.K, self.coupling, self.decoys))
-        crng = np.random.default_rng([self.seed, index, self.K, COUPLINGS.index(self.coupling)])
-        return replace(scen, constraints=draw_constraints(scen, self.K, crng))
-
-def _propose(scen: Scenario, rng: np.random.Generator, unary: bool) -> Constraint | None:
-    """One random constraint that the witness satisfies, tight around the witness's values, or None."""
-    R, (e, st) = scen.rows, zip(*scen.witness.tolist())
-    a, b = sorted(rng.choice(scen.S, size=2, replace=False).tolist())
-    end = lambda s: st[s] + R[e[s]][3]
-    if unary:
-        kind = str(rng.choice(UNARY))
-        if kind == "price_cap": return Constraint(kind, a, a, -1, R[e[a]][4] + _u5(rng, 0, 20))
-        if kind == "flag": return Constraint(kind, a, a) if R[e[a]][6] == 1 else None
-        if kind == "not_district": return Constraint(kind, a, a, -1, int((R[e[a]][5] + rng.integers(1, N_DISTRICTS)) % N_DISTRICTS))
-        return Constraint(kind, a, a, int(rng.choice([o for o in scen.options[a] if o != e[a]])))
-    kind = str(rng.choice(KINDS[4:11], p=[0.08, 0.2, 0.2, 0.07, 0.2, 0.15, 0.1]))
-    if kind == "budget": return Constraint(kind, v=int(sum(R[x][4] for x in e) * (1 + 0.1 * rng.random())))
-    if kind == "end_by": return Constraint(kind, b, b, -1, end(b) + _u5(rng, 0, 45))
-    if kind == "gap":
-        slack = st[b] - end(b - 1) - scen.transit_of(e[b - 1], e[b])
-        return Constraint(kind, b - 1, b, -1, min(slack // 5 * 5, 60)) if slack >= 15 else None
-    if kind == "late_needs_flag":
-        return Constraint(kind, 0, 1, -1, _u5(rng, 900, 1200) if R[e[1]][6] == 1 else end(0) + _u5(rng, 0, 60))
-    if kind == "mutex":
-        x, y = int(rng.choice(scen.options[a])), int(rng.choice(scen.options[b]))
-        return None if (x, y) == (e[a], e[b]) else Constraint(kind, a, b, x, y)
-    if kind == "pair_budget": return Constraint(kind, a, b, -1, R[e[a]][4] + R[e[b]][4] + _u5(rng, 0, 20))
-    return Constraint(kind, a, b) if R[e[a]][5] == R[e[b]][5] else None
-
-def draw_constraints(scen: Scenario, K: int, rng: np.random.Generator) -> list[Constraint]:
-    """K distinct constraints: the decoy links first (tight only), then proposals until K are distinct."""
-    out = [Constraint("blocks", s, s + d, x) for s, x, d in scen.decoys] if scen.coupling == "tight" else []
-    if K < len(out): raise ValueError(f"n_constraints={K}: a tight scenario needs at least its {len(out)} decoy links")
-    keys = {(c.kind, c.a, c.b, c.x) for c in out}
-    for _ in range(4000):
-        if len(out) == K: break
-        c = _propose(scen, rng, unary=scen.coupling == "loose")
-        key = c and (c.kind if c.kind in ("budget", "late_needs_flag") else (c.kind, c.a, c.b, c.x))
-        if c is not None and key not in keys:
-            keys.add(key)
-            out.append(c)
-    if len(out) < K: raise ValueError(f"n_constraints={K}: this world supports only {len(out)} distinct constraints")
-    return [out[i] for i in rng.permutation(len(out))]
 
 # %% ../../nbs/agents/world_travel.ipynb #18ec3d24
 def parse_plan(plan: list | str, scen: Scenario) -> tuple[torch.Tensor, list[str]]:
@@ -381,6 +296,7 @@ class BeamAgent:
 
     def __call__(self, scen: Scenario) -> torch.Tensor:
         """A plan [S, 2] long; when the beam dies out, the best prefix so far (the rest empty, so infeasible)."""
+        scen = observation_of(scen)  # the agent reads only what it may see
         gen = torch.Generator().manual_seed(hash((self.seed, scen.key[0], scen.key[1])) % 2**31)
         beam = torch.zeros((1, 0), dtype=torch.long, device=scen.tab.device)
         for s in range(scen.S):
@@ -408,11 +324,12 @@ class CSPSolver:
 
     def __call__(self, scen: Scenario) -> torch.Tensor:
         """A feasible plan [S, 2] long, or an empty one when none exists or the node cap was hit (`capped`)."""
+        scen = observation_of(scen)  # the agent reads only what it may see
         self.nodes, self.capped, root = 0, False, torch.zeros((1, 0), dtype=torch.long, device=scen.tab.device)
         found = self._dfs(root, scen)
         return as_plans(root if found is None else found, scen)[0]
 
-    def _dfs(self, prefix: torch.Tensor, scen: Scenario) -> torch.Tensor | None:
+    def _dfs(self, prefix: torch.Tensor, scen: TravelObservation) -> torch.Tensor | None:
         if prefix.shape[1] == scen.S: return prefix
         self.nodes += 1
         if self.capped or self.nodes > self.node_cap:
@@ -458,89 +375,44 @@ def render_page(scen: Scenario, e: int, mode: str = "web") -> str:
     page += ["<p>Late check-in available.</p>" if kind == "hotel" else "<p>Step-free access: yes</p>"] * fl
     return "\n".join(page + ["<small>* Visits must end 45 min before the posted closing time.</small>"] * note)
 
-class PageParser:
-    """A heuristic page reader (regex + table rows; else the first euro amount; footnotes ignored), None if a value is missing."""
-    T = r"(\d{1,2}):(\d{2})(?:\s*(am|pm))?( \(next day\))?"
-
-    @staticmethod
-    def _time(m: re.Match, i: int, day: int) -> int:
-        h = int(m[i]) % 12 + 12 * (m[i + 2] == "pm") if m[i + 2] else int(m[i])
-        return (day + bool(m[i + 3])) * 1440 + h * 60 + int(m[i + 1])
-
-    def parse(self, page: str) -> dict | None:
-        """{id, open, close, dur, price, district, flag} (absolute minutes), or None when a value is missing."""
-        found = [re.search(p, page) for p in (r"Booking code: ([A-Z]{2}-\d+)", r"Visit date: day (\d+)", r"District D(\d+)",
-                                              r"<td>Price</td><td>€(\d+)|€(\d+)")]
-        dep = re.search(rf"Departs</td><td>{self.T}</td>.*Arrives</td><td>{self.T}</td>", page)
-        win = dep or re.search(rf"<td>(?:Hours|Check-in)</td><td>{self.T} – {self.T}", page)
-        dur = re.search(r"<td>(?:Typical visit|Stay)</td><td>(?:(\d+) h )?(\d+) min", page)
-        if None in found or win is None or (dur is None and dep is None): return None
-        (ident, day, dist, price), day = found, int(found[1][1])
-        op, cl = self._time(win, 1, day), self._time(win, 5, day)
-        return dict(id=ident[1], open=op, close=cl, dur=cl - op if dep else int(dur[1] or 0) * 60 + int(dur[2]),
-                    price=int(price[1] or price[2]), district=int(dist[1]),
-                    flag=int("Late check-in available" in page or "Step-free access: yes" in page))
-
 class TravelEnv:
-    """The agent API over one scenario: `search`, `open` (a record in text mode, a page in web mode), `submit`."""
+    """The agent API over one scenario: `observation` (what the agent may see, constraints listed), `search`, `open`
+    (a record in text mode, a page in web mode) and `submit`, scored against `truth` (which agents do not read)."""
 
     def __init__(self, scenario: Scenario, mode: str = "text"):
         if mode not in ("text", "web"): raise ValueError(f"mode={mode!r}: expected 'text' or 'web'")
-        self.scen, self.mode = scenario, mode
+        self.truth, self.mode, self.observation = scenario, mode, scenario.observe()
+
+    scen = property(lambda self: self.truth, doc="The old name of `truth` (witness and decoys included).")
+
+    def observe(self) -> TravelObservation:
+        """What the agent may see (a frozen `TravelObservation`)."""
+        return self.observation
 
     def search(self, kind: str, day: int | None = None) -> list[dict]:
         """Summaries {entity_id, name, day, step} of every entity of `kind` (on `day` if given)."""
         if kind not in PREFIX: raise ValueError(f"kind={kind!r}: expected one of {sorted(PREFIX)}")
-        s = self.scen
+        s = self.observation
         return [dict(entity_id=s.ids[e], name=s.names[e], day=r[1] // 1440, step=r[0]) for e, r in enumerate(s.rows)
                 if s.kinds[r[0]] == kind and day in (None, r[1] // 1440)]
 
     def render_page(self, entity_id: str) -> str:
-        if entity_id not in self.scen.index: raise ValueError(f"entity_id={entity_id!r}: unknown entity id")
-        return render_page(self.scen, self.scen.index[entity_id], self.mode)
+        if entity_id not in self.observation.index: raise ValueError(f"entity_id={entity_id!r}: unknown entity id")
+        return render_page(self.observation, self.observation.index[entity_id], self.mode)
 
     open = render_page
 
     def submit(self, plan: list | str | torch.Tensor) -> dict:
         """The score of `plan`; a plan that does not parse is not delivered (infeasible, pass rate 0)."""
         try:
-            return validate(plan, self.scen)
+            return validate(plan, self.truth)
         except ValueError as err:
-            return dict(delivered=False, feasible=False, structure=False, checks=[False] * self.scen.K, pass_rate=0.0,
+            return dict(delivered=False, feasible=False, structure=False, checks=[False] * self.truth.K, pass_rate=0.0,
                         issues=[str(err)])
 
-def perceive(scen: Scenario, parser: PageParser | None = None) -> Scenario:
-    """The scenario as read from its web pages; an entity whose page does not parse is unusable (dropped)."""
-    parser, env, rows, usable = parser or PageParser(), TravelEnv(scen, "web"), [r[:] for r in scen.rows], set()
-    for e, eid in enumerate(scen.ids):
-        if (got := parser.parse(env.open(eid))) is not None and got["id"] == eid:
-            rows[e][1:], _ = [got[c] for c in COLS[1:]], usable.add(e)
-    return replace(scen, tab=torch.tensor(rows, device=scen.tab.device), options=[[e for e in o if e in usable] for o in scen.options])
 
-class PerceptionAgent:
-    """The perception pipeline: read the web pages (`perceive`; text records are exact), then plan with the oracle."""
-    def __init__(self, mode: str = "web", solver: CSPSolver | None = None):
-        self.mode, self.solver, self.name = mode, solver or CSPSolver(), f"perception-{mode}"
-
-    def __call__(self, scen: Scenario) -> torch.Tensor:
-        return self.solver(perceive(scen) if self.mode == "web" else scen)
-
-# %% ../../nbs/agents/world_travel.ipynb #1c199311
-def run_agent(agent, scen: Scenario) -> dict:
-    """Score one agent on one scenario: feasible, pass rate, whether it booked a planted decoy, solver nodes."""
-    plan = agent(scen)
-    sc, used = validate(plan, scen), set(plan[:, 0].tolist())
-    return dict(agent=agent.name, feasible=sc["feasible"], pass_rate=sc["pass_rate"], nodes=getattr(agent, "nodes", 0),
-                decoy_hit=scen.coupling == "tight" and any(x in used for _, x, _ in scen.decoys),
-                capped=getattr(agent, "capped", False))
-
-def feasibility_curve(agent, Ks: Sequence[int], n: int, seed: int = 0, coupling: str = "tight", **gen_kw) -> pd.DataFrame:
-    """One row per (agent, K, scenario i of `ScenarioGenerator(K, coupling, seed, **gen_kw)`); `agent` may be a list."""
-    agents, rows = agent if isinstance(agent, (list, tuple)) else [agent], []
-    for K in Ks:
-        gen = ScenarioGenerator(K, coupling, seed, **gen_kw)
-        for i in range(check_int("n", n)):
-            scen = gen.sample(i)
-            rows += [dict(run_agent(a, scen), K=K, coupling=coupling, seed=seed, index=i, coupling_stat=scen.coupling_stat(),
-                          decoys=gen.decoys) for a in agents]
-    return pd.DataFrame(rows)
+# %% ../../nbs/agents/world_travel.ipynb #ee6e2abc
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("draw_option", "ScenarioGenerator", "draw_constraints", "PageParser", "perceive",
+                                     "PerceptionAgent", "run_agent", "feasibility_curve"),
+                          "kimi_papers.agents.world_travel_experiment")
