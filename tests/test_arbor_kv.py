@@ -6,11 +6,14 @@ import pytest
 import torch
 
 from kimi_papers.core.kv import cache_layers, tiny_llama
+from kimi_papers.core.token_stats import kl_categorical
 from kimi_papers.serving.arbor_kv import (
-    MSVE, POLICIES, BlockKVStore, Puzzle, ThoughtTree, apply_step, arborkv_allocate, branch_lru_evict, build_path_cache,
-    calibrate_msve, children_mask, compacted_attention, compacted_attention_reference, fit_logistic,
-    flat_h2o_allocate, forward_children, hand_built_log, make_puzzles, masked_full_attention, next_token_entropy,
-    protected_set, rehydrate, replay, solvable, split_budget, step_value, streaming_allocate)
+    MSVE, BlockKVStore, ThoughtTree, arborkv_allocate, build_path_cache, children_mask, compacted_attention,
+    forward_children, kl_full_to, next_token_entropy, protected_set, rehydrate, split_budget)
+from kimi_papers.serving.arbor_kv_experiment import (
+    POLICIES, Puzzle, apply_step, branch_lru_evict, calibrate_msve, compacted_attention_reference, fit_logistic,
+    flat_h2o_allocate, hand_built_log, make_puzzles, masked_full_attention, replay, solvable, step_value,
+    streaming_allocate)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +136,55 @@ def test_arborkv_allocation(log):
         arborkv_allocate(tree, st, leaf, scores, mass, n_prot - 1)
     with pytest.raises(ValueError, match="lam"):
         arborkv_allocate(tree, st, leaf, scores, mass, 60, lam=-0.1)
+
+
+def test_allocation_rejects_missing_nan_negative_scores(log):
+    """Missing block scores were a bare KeyError, NaN / negative ones silently counted as 0: now ValueErrors that
+    name the blocks; short or NaN token scores (an IndexError / an arbitrary order before) name token_scores."""
+    tree, st, leaf = log.tree, full_store(log), 8
+    mass = log.mass_at(len(log.events))
+    ok = {b: 1.0 for b in st.keep}
+    with pytest.raises(ValueError, match=r"no block score s_i for block\(s\) \[3, 5\]"):
+        arborkv_allocate(tree, st, leaf, {b: s for b, s in ok.items() if b not in (3, 5)}, mass, 40)
+    with pytest.raises(ValueError, match=r"block\(s\) \[9\]"):            # a sequence indexed by block id, too short
+        arborkv_allocate(tree, st, leaf, [1.0] * 9, mass, 40)
+    for bad in (float("nan"), -1e-3, float("-inf"), float("inf")):
+        with pytest.raises(ValueError, match=r"scores: block score\(s\) \{7: "):
+            arborkv_allocate(tree, st, leaf, {**ok, 7: bad}, mass, 40)
+    with pytest.raises(ValueError, match=r"token_scores: expected a \[74\] tensor"):
+        arborkv_allocate(tree, st, leaf, ok, mass[:60], 40)
+    with pytest.raises(ValueError, match="token_scores: 2 NaN, infinite or negative value.*token 3"):
+        arborkv_allocate(tree, st, leaf, ok, torch.where(torch.isin(torch.arange(74), torch.tensor([3, 50])), -1.0, mass), 40)
+    with pytest.raises(ValueError, match="token_scores"):
+        flat_h2o_allocate(tree, st, mass[:10], 5)
+    with pytest.raises(ValueError, match="weights"):
+        split_budget([1.0, float("nan")], [3, 3], 4)
+    gone = full_store(log)
+    del gone.keep[4], gone.k[4], gone.v[4]
+    with pytest.raises(ValueError, match=r"leaf=8: block\(s\) \[4\] on the path"):
+        protected_set(tree, gone, 8)
+    # a sequence / tensor indexed by block id gives what the mapping gives
+    seq = arborkv_allocate(tree, st, leaf, torch.ones(len(tree)), mass, 40)
+    assert all(torch.equal(seq[b], v) for b, v in arborkv_allocate(tree, st, leaf, ok, mass, 40).items())
+
+
+def test_kl_full_to_is_core_kl_clamped():
+    g = torch.Generator().manual_seed(3)
+    ref = torch.log_softmax(torch.randn(5, 11, generator=g), -1)
+    logits = torch.randn(5, 11, generator=g)
+    old = (ref.exp() * (ref - torch.log_softmax(logits, -1))).sum(-1).clamp(min=0)
+    assert torch.equal(kl_full_to(ref, logits), old)                   # bit-identical to the expression it replaced
+    assert torch.equal(kl_full_to(ref, logits), kl_categorical(ref, torch.log_softmax(logits, -1)).clamp(min=0))
+    assert float(kl_full_to(ref, ref).abs().max()) == 0.0
+
+
+def test_moved_names_still_resolve():
+    import kimi_papers.serving.arbor_kv as m
+    import kimi_papers.serving.arbor_kv_experiment as e
+    with pytest.warns(DeprecationWarning, match="arbor_kv_experiment"):
+        assert m.replay is e.replay and m.hand_built_log is e.hand_built_log
+    with pytest.raises(AttributeError):
+        m.not_a_name
 
 
 def test_baseline_allocators(log):

@@ -8,26 +8,21 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
-from ..core.kv import cache_kwarg, cache_layers, kv_bytes_per_token, kv_geometry, make_cache, output_cache
-from ..core.rl.rollout import KVDecoder, as_policy
-from ..core.token_stats import gumbel_noise, sample_next
+from ..core.kv import cache_kwarg, cache_layers, kv_geometry, make_cache, output_cache
+from ..core.token_stats import kl_categorical
 
 # %% auto #0
-__all__ = ['SMOKE_TREE', 'FEW_SHOT', 'LABEL_THRESHOLD', 'POLICIES', 'compacted_attention_compiled', 'Block', 'ThoughtTree',
-           'BlockKVStore', 'build_path_cache', 'children_mask', 'ChildPass', 'forward_children', 'next_token_entropy',
-           'Event', 'SearchLog', 'hand_built_log', 'Puzzle', 'solvable', 'make_puzzles', 'puzzle_prompt', 'apply_step',
-           'step_value', 'sample_children', 'best_first_tot', 'msve_features', 'block_features', 'MSVE', 'fit_logistic',
-           'calibration_data', 'calibrate_msve', 'split_budget', 'protected_set', 'arborkv_allocate',
-           'flat_h2o_allocate', 'streaming_allocate', 'branch_lru_evict', 'rehydrate', 'ReplayResult', 'kl_full_to',
-           'replay', 'token_bytes', 'compacted_attention_reference', 'compacted_attention', 'masked_full_attention']
+__all__ = ['compacted_attention_compiled', 'Block', 'ThoughtTree', 'BlockKVStore', 'build_path_cache', 'children_mask',
+           'ChildPass', 'forward_children', 'next_token_entropy', 'Event', 'SearchLog', 'msve_features',
+           'block_features', 'MSVE', 'split_budget', 'protected_set', 'arborkv_allocate', 'rehydrate', 'kl_full_to',
+           'compacted_attention']
 
 # %% ../../nbs/serving/arbor_kv.ipynb #d01c430c
 @dataclass
@@ -285,151 +280,6 @@ class SearchLog:
         self.ref_logp.append(torch.log_softmax(torch.cat(cp.logits), -1))
         return ids
 
-# %% ../../nbs/serving/arbor_kv.ipynb #49e09d9b
-# the hand-built smoke tree: (parent, length, value) per block, expanded in this order (10 nodes with the root)
-SMOKE_TREE = ((0, ((0, 6, 1.0), (0, 5, 0.5), (0, 7, 0.2))), (1, ((1, 6, 1.0), (1, 4, 0.3))),
-              (2, ((2, 5, 0.6), (2, 6, 0.4))), (4, ((4, 6, 1.0), (4, 5, 0.1))))
-
-
-def hand_built_log(model: torch.nn.Module, root_len: int = 24, seed: int = 0) -> SearchLog:
-    """A 10-node search log over random token ids (the smoke test's tree): 4 expansions, 9 thought blocks."""
-    g = torch.Generator().manual_seed(seed)
-    V = model.config.vocab_size
-    log = SearchLog(model, torch.randint(0, V, (root_len,), generator=g).tolist())
-    for node, kids in SMOKE_TREE:
-        log.expand(model, node, [torch.randint(0, V, (n,), generator=g).tolist() for _, n, _ in kids],
-                   [v for _, _, v in kids])
-    return log
-
-# %% ../../nbs/serving/arbor_kv.ipynb #b92b1bb5
-@dataclass(frozen=True)
-class Puzzle:
-    """Countdown-lite: reach `target` from `numbers` with + and −, each number used once, one step per line."""
-    numbers: tuple[int, ...]
-    target: int
-
-
-def solvable(numbers: Sequence[int], target: int) -> bool:
-    """Whether `target` is reachable from `numbers` with + and |a − b| steps, every number used."""
-    nums = sorted(numbers)
-    if len(nums) == 1:
-        return nums[0] == target
-    for i, j in itertools.combinations(range(len(nums)), 2):
-        rest = [x for k, x in enumerate(nums) if k not in (i, j)]
-        a, b = nums[i], nums[j]
-        if any(solvable(rest + [r], target) for r in {a + b, abs(a - b)}):
-            return True
-    return False
-
-
-def make_puzzles(n: int, seed: int, k: int = 4) -> list[Puzzle]:
-    """`n` solvable puzzles of `k` numbers in 1..9 with a target in 5..25, reproducible from `seed`."""
-    check_int("n", n)
-    check_int("k", k, 2)
-    g, out = torch.Generator().manual_seed(seed), []
-    while len(out) < n:
-        nums = tuple(int(x) for x in torch.randint(1, 10, (k,), generator=g))
-        target = int(torch.randint(5, 26, (1,), generator=g))
-        if solvable(nums, target) and Puzzle(nums, target) not in out:
-            out.append(Puzzle(nums, target))
-    return out
-
-
-FEW_SHOT = ("Reach the target using each number once with + or -. One step per line.\n\n"
-            "Numbers: 3 5 2. Target: 10\n3+5=8 (left: 8 2)\n8+2=10 (left: 10)\n\n"
-            "Numbers: 9 4 6. Target: 11\n9-4=5 (left: 5 6)\n5+6=11 (left: 11)\n\n")
-
-
-def puzzle_prompt(p: Puzzle) -> str:
-    """The few-shot prompt for puzzle `p` (the root block)."""
-    return FEW_SHOT + f"Numbers: {' '.join(map(str, p.numbers))}. Target: {p.target}\n"
-
-
-def apply_step(line: str, remaining: Sequence[int]) -> tuple[int, ...] | None:
-    """The numbers left after a step line like '8+5=13 ...', or None if the line is not a valid step."""
-    import re
-    m = re.match(r"\s*(\d+)\s*([+-])\s*(\d+)\s*=\s*(\d+)", line)
-    if m is None:
-        return None
-    a, op, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
-    left = list(remaining)
-    for x in (a, b):
-        if x not in left:
-            return None
-        left.remove(x)
-    if c != (a + b if op == "+" else a - b) or c < 0:
-        return None
-    return tuple(sorted(left + [c]))
-
-
-def step_value(remaining: tuple[int, ...] | None, target: int) -> float:
-    """Controller value: 0 for an invalid step, 1 if the target is still reachable, else 0.5 / (1 + closest miss)."""
-    if remaining is None:
-        return 0.0
-    if solvable(remaining, target):
-        return 1.0
-    return 0.5 / (1.0 + min(abs(x - target) for x in remaining))
-
-# %% ../../nbs/serving/arbor_kv.ipynb #0f4e3302
-@torch.no_grad()
-def sample_children(policy: Any, prefix: Sequence[int], k: int, max_new_tokens: int, temperature: float,
-                    seed: int) -> list[list[int]]:
-    """`k` sampled continuations of `prefix`, each cut after its first newline (a newline cannot come first): one
-    KVDecoder prefill with repeat=k, temperature sampling with Gumbel noise from a generator seeded by `seed`."""
-    pol = policy
-    dec = KVDecoder(pol, [list(prefix)], repeat=k)
-    g = torch.Generator().manual_seed(seed)
-    out, done = [[] for _ in range(k)], [False] * k
-    blank = pol.encode_text("\n")
-    for step in range(max_new_tokens):
-        logits = dec.logits()
-        if step == 0:                      # a thought is a non-empty line: no newline as its first token
-            logits[:, blank] = float("-inf")
-        tok = sample_next(logits, temperature, 1.0, gumbel_noise(tuple(logits.shape), g).to(logits.device),
-                          compiled=False)
-        for r, t in enumerate(tok.tolist()):
-            if not done[r]:
-                if t == pol.eos_id:
-                    done[r] = True
-                    continue
-                out[r].append(t)
-                done[r] = "\n" in pol.decode([t])
-        if all(done):
-            break
-        dec.step(tok)
-    return out
-
-
-def best_first_tot(model: torch.nn.Module, tok: Any, puzzle: Puzzle, max_expansions: int = 8, k: int = 3,
-                   temperature: float = 0.7, max_new_tokens: int = 16, seed: int = 0) -> SearchLog:
-    """Best-first Tree-of-Thoughts under full retention: expand the frontier node of highest controller value
-    (ties: the older node), `k` children per expansion sampled with a per-node seed. An invalid step keeps its
-    parent's numbers at value 0 (expanded last); nodes at depth len(numbers) or with one number left are terminal.
-    The search runs all `max_expansions` (a solution is recorded in `log.solved`, not a stop), so trees of one
-    profile have comparable sizes."""
-    check_int("max_expansions", max_expansions)
-    check_int("k", k)
-    pol = as_policy(model, tok)
-    log = SearchLog(model, pol.encode_text(puzzle_prompt(puzzle)))
-    left = {0: tuple(sorted(puzzle.numbers))}
-    frontier = [(-1.0, 0)]
-    while frontier and len(log.events) < max_expansions:
-        frontier.sort()
-        _, node = frontier.pop(0)
-        prefix = [t for b in log.tree.path(node) for t in log.tree[b].ids]
-        kids = [c for c in sample_children(pol, prefix, k, max_new_tokens, temperature, seed * 100003 + node) if c]
-        if not kids:
-            continue
-        rem = [apply_step(pol.decode(c), left[node]) for c in kids]
-        vals = [step_value(r, puzzle.target) for r in rem]
-        for b, r, v in zip(log.expand(model, node, kids, vals), rem, vals):
-            left[b] = left[node] if r is None else r
-            log.solved |= r == (puzzle.target,)
-            if len(left[b]) > 1 and log.tree[b].depth < len(puzzle.numbers):
-                frontier.append((-v, b))
-    log.remaining = left
-    return log
-
 # %% ../../nbs/serving/arbor_kv.ipynb #ad798bdb
 def msve_features(value: float, entropy: float, attn_mass: float) -> Tensor:
     """φ_i = [v_i, H_i, a_i, 1] float32 [4]: controller value, boundary entropy (nats), length-normalised mass."""
@@ -459,65 +309,6 @@ class MSVE:
         """Scores [n] float32 in [0, 1] from features [n, 4]."""
         return torch.sigmoid(phi.float() @ self.theta.to(phi.device)).clamp(0, 1)
 
-
-def fit_logistic(X: Tensor, y: Tensor, l2: float = 1e-2, steps: int = 200) -> Tensor:
-    """θ [d] of an L2-regularised logistic regression of labels y [n] in {0, 1} on features X [n, d] (Newton steps)."""
-    X, y = X.double(), y.double()
-    theta = torch.zeros(X.shape[1], dtype=torch.float64)
-    for _ in range(steps):
-        p = torch.sigmoid(X @ theta)
-        grad = X.T @ (p - y) / len(y) + l2 * theta
-        H = (X.T * (p * (1 - p))) @ X / len(y) + l2 * torch.eye(X.shape[1], dtype=torch.float64)
-        step = torch.linalg.solve(H, grad)
-        theta = theta - step
-        if step.abs().max() < 1e-10:
-            break
-    return theta.float()
-
-
-LABEL_THRESHOLD = 0.05   # nats per descendant token: a block "matters" when removing it costs more than this
-
-
-@torch.no_grad()
-def calibration_data(model: torch.nn.Module, log: SearchLog) -> tuple[Tensor, Tensor, list[int]]:
-    """Hindsight interventions on one full-retention tree: each non-root block with descendants is removed from the
-    cache (−inf, i.e. dropped) and the mean drop in log-prob of its descendants' tokens is measured.
-    Returns features φ [n, 4] (at the end of the search), drops [n] (nats/token), block ids."""
-    tree, blocks, drops = log.tree, [], []
-    for b in range(1, len(tree)):
-        if not tree[b].children:
-            continue
-        tot, cnt = 0.0, 0
-        for t, ev in enumerate(log.events):
-            if b not in tree.path(ev.node):
-                continue
-            st = log.store.fork()
-            st.keep[b] = st.keep[b][:0]
-            cp = forward_children(model, tree, st, ev.node, [tree[c].ids for c in ev.children])
-            ref, s = log.ref_logp[t], 0
-            for c, lg in zip(ev.children, cp.logits):
-                tgt = torch.tensor(tree[c].ids[1:], device=lg.device)
-                lp = torch.log_softmax(lg[:-1], -1).gather(1, tgt[:, None])[:, 0]
-                lr = ref[s:s + tree[c].n - 1].gather(1, tgt[:, None])[:, 0]
-                tot, cnt, s = tot + float((lr - lp).sum()), cnt + len(tgt), s + tree[c].n
-        if cnt:
-            blocks.append(b)
-            drops.append(tot / cnt)
-    X = block_features(log, log.store, len(log.events), blocks)
-    return X, torch.tensor(drops), blocks
-
-
-def calibrate_msve(model: torch.nn.Module, logs: Sequence[SearchLog],
-                   threshold: float = LABEL_THRESHOLD) -> tuple[Tensor, dict]:
-    """θ [4] by logistic regression of label = [drop > threshold] on φ over held-out trees; and the data used."""
-    parts = [calibration_data(model, lg) for lg in logs]
-    X = torch.cat([p[0] for p in parts]) if parts else torch.zeros(0, 4)
-    d = torch.cat([p[1] for p in parts]) if parts else torch.zeros(0)
-    if len(d) == 0:
-        raise ValueError("logs: no block with descendants to calibrate on (grow deeper trees)")
-    y = (d > threshold).float()
-    return fit_logistic(X, y), {"X": X, "drop": d, "label": y, "threshold": threshold}
-
 # %% ../../nbs/serving/arbor_kv.ipynb #38f03425
 def _check_budget_args(budget: int, lam: float) -> None:
     check_int("budget", budget, 0)
@@ -533,9 +324,37 @@ def _top_local(scores: Tensor, keep: Tensor, m: int) -> Tensor:
     return keep[sorted(order[:m], key=lambda j: int(keep[j]))]
 
 
+def _block_scores(scores: Mapping[int, float] | Sequence[float] | Tensor, blocks: Sequence[int]) -> dict[int, float]:
+    """s_i for each of `blocks` from a mapping (or a sequence / 1-D tensor indexed by block id): present, finite, >= 0."""
+    has = (lambda b: b in scores) if isinstance(scores, Mapping) else (lambda b: 0 <= b < len(scores))
+    missing = [b for b in blocks if not has(b)]
+    if missing:
+        raise ValueError(f"scores: no block score s_i for block(s) {missing}; expected one for every block holding KV "
+                         f"({list(blocks)})")
+    out = {b: float(scores[b]) for b in blocks}
+    bad = {b: s for b, s in out.items() if not (math.isfinite(s) and s >= 0)}
+    if bad:
+        raise ValueError(f"scores: block score(s) {bad} are NaN, infinite or negative; expected finite s_i >= 0 "
+                         f"(MSVE gives [0, 1])")
+    return out
+
+
+def _check_token_scores(tree: ThoughtTree, token_scores: Tensor) -> None:
+    """Raise unless `token_scores` is [tree.total] (creation order) with finite values >= 0."""
+    if not isinstance(token_scores, Tensor) or tuple(token_scores.shape) != (tree.total,):
+        got = tuple(token_scores.shape) if isinstance(token_scores, Tensor) else type(token_scores).__name__
+        raise ValueError(f"token_scores: expected a [{tree.total}] tensor (one score per tree token, creation order), got {got}")
+    bad = (~torch.isfinite(token_scores) | (token_scores < 0)).nonzero().flatten()
+    if bad.numel():
+        raise ValueError(f"token_scores: {bad.numel()} NaN, infinite or negative value(s), the first at token "
+                         f"{int(bad[0])} ({float(token_scores[bad[0]])}); expected finite scores >= 0 (attention mass)")
+
+
 def split_budget(weights: Sequence[float], caps: Sequence[int], budget: int) -> list[int]:
     """b_i = ⌊B′·w_i / Σw⌋ capped by caps_i, leftover re-split over uncapped blocks until nothing changes; the final
     floor remainder goes one token at a time to the largest weights (ties: lower index)."""
+    if len(weights) != len(caps) or not all(math.isfinite(w) and w >= 0 for w in weights):
+        raise ValueError(f"weights: expected {len(caps)} finite weights >= 0 (one per cap), got {list(weights)}")
     n, b = len(weights), [0] * len(weights)
     left, open_ = int(budget), [i for i in range(len(weights)) if caps[i] > 0 and weights[i] > 0]
     while left > 0 and open_:
@@ -558,6 +377,9 @@ def protected_set(tree: ThoughtTree, store: BlockKVStore, leaf: int, n_sink: int
     """Protected local indices per block: the first `n_sink` root tokens, every retained token of the active leaf
     (a thought block; when the search sits at the root, the prompt gets sinks and tail only), the last `tail`
     retained tokens of each ancestor of the leaf (tails are not protected off the active path)."""
+    missing = [b for b in tree.path(leaf) if b not in store.keep]
+    if missing:
+        raise ValueError(f"leaf={leaf}: block(s) {missing} on the path root..leaf hold no KV in the store (put them first)")
     prot = {b: store.keep[b][:0] for b in store.keep}
     for b in tree.path(leaf):
         keep = store.keep[b]
@@ -571,7 +393,8 @@ def arborkv_allocate(tree: ThoughtTree, store: BlockKVStore, leaf: int, scores: 
                      budget: int, lam: float = 0.5, n_sink: int = 4, tail: int = 8) -> dict[int, Tensor]:
     """ArborKV's allocation: protect P, split B′ = B − |P| over blocks by w_i = s_i·exp(−λΔ_i) (Δ_i: edges to the
     leaf), keep each block's b_i highest-mass retained tokens (token-extractive). Returns the new retained local
-    indices per block (a subset of the current ones); `token_scores` [tree.total] is indexed in creation order."""
+    indices per block (a subset of the current ones); `token_scores` [tree.total] is indexed in creation order.
+    `scores` needs a finite s_i >= 0 for every block in the store; a missing, NaN or negative one raises ValueError."""
     _check_budget_args(budget, lam)
     prot = protected_set(tree, store, leaf, n_sink, tail)
     n_prot = sum(int(p.numel()) for p in prot.values())
@@ -579,62 +402,14 @@ def arborkv_allocate(tree: ThoughtTree, store: BlockKVStore, leaf: int, scores: 
         raise ValueError(f"budget={budget}: below the protected set (sinks, active leaf, ancestor tails); "
                          f"the minimum feasible budget here is {n_prot} tokens")
     blocks = sorted(store.keep)
+    s, _ = _block_scores(scores, blocks), _check_token_scores(tree, token_scores)
     cand = {b: store.keep[b][~torch.isin(store.keep[b], prot[b])] for b in blocks}
-    w = [float(scores[b]) * math.exp(-lam * tree.distance(b, leaf)) for b in blocks]
+    w = [s[b] * math.exp(-lam * tree.distance(b, leaf)) for b in blocks]
     share = split_budget(w, [int(cand[b].numel()) for b in blocks], budget - n_prot)
     out = {}
     for b, m in zip(blocks, share):
         extra = _top_local(token_scores[tree.global_index(b, cand[b])], cand[b], m)
         out[b] = torch.sort(torch.cat([prot[b], extra]))[0]
-    return out
-
-# %% ../../nbs/serving/arbor_kv.ipynb #fe1edee2
-def flat_h2o_allocate(tree: ThoughtTree, store: BlockKVStore, token_scores: Tensor, budget: int) -> dict[int, Tensor]:
-    """Flat H2O: the `budget` resident tokens of highest accumulated attention over the whole tree (ties: the older
-    token); no protection, no rehydration."""
-    check_int("budget", budget, 0)
-    blocks = sorted(store.keep)
-    gl = torch.cat([tree.global_index(b, store.keep[b]) for b in blocks])
-    if budget >= gl.numel():
-        return dict(store.keep)
-    sc = token_scores[gl]
-    order = sorted(range(gl.numel()), key=lambda j: (-float(sc[j]), int(gl[j])))[:budget]
-    chosen = set(int(gl[j]) for j in order)
-    return {b: store.keep[b][torch.tensor([int(g) in chosen for g in tree.global_index(b, store.keep[b])],
-                                          dtype=torch.bool)] for b in blocks}
-
-
-def streaming_allocate(tree: ThoughtTree, store: BlockKVStore, leaf: int, budget: int, n_sink: int = 4) -> dict[int, Tensor]:
-    """StreamingLLM: the first `n_sink` root tokens plus the most recent retained tokens of the active path
-    (root..leaf), `budget` in all; every other block is evicted."""
-    check_int("budget", budget, 0)
-    if budget < n_sink:
-        raise ValueError(f"budget={budget}: expected at least n_sink={n_sink} tokens")
-    out = {b: store.keep[b][:0] for b in store.keep}
-    root = store.keep[0]
-    out[0] = root[root < n_sink]
-    room = budget - int(out[0].numel())
-    for b in reversed(tree.path(leaf)):
-        keep = store.keep[b] if b else root[root >= n_sink]
-        take = keep[max(0, keep.numel() - room):] if room > 0 else keep[:0]
-        out[b] = torch.sort(torch.cat([out[b], take]))[0] if b == 0 else take
-        room -= int(take.numel())
-    return out
-
-
-def branch_lru_evict(tree: ThoughtTree, store: BlockKVStore, leaf: int, last_used: Mapping[int, int],
-                     budget: int) -> dict[int, Tensor]:
-    """Branch-LRU (SGLang-like): evict whole inactive blocks, least recently on the active path first (ties: the
-    deeper block), until resident <= budget; the active path is never evicted."""
-    check_int("budget", budget, 0)
-    out, on_path = dict(store.keep), set(tree.path(leaf))
-    res = sum(int(x.numel()) for x in out.values())
-    for b in sorted((b for b in out if b not in on_path and out[b].numel()),
-                    key=lambda b: (last_used.get(b, -1), -tree[b].depth, b)):
-        if res <= budget:
-            break
-        res -= int(out[b].numel())
-        out[b] = out[b][:0]
     return out
 
 # %% ../../nbs/serving/arbor_kv.ipynb #8942e3fd
@@ -654,158 +429,13 @@ def rehydrate(model: torch.nn.Module, tree: ThoughtTree, store: BlockKVStore, no
             done += blk.n
     return done
 
-# %% ../../nbs/serving/arbor_kv.ipynb #e20c87d4
-POLICIES = ("full", "arborkv", "flat_h2o", "streaming", "branch_lru")
-
-
-@dataclass
-class ReplayResult:
-    """A policy's cache decisions replayed over a full-retention search, and their cost."""
-    policy: str
-    budget_frac: float
-    budget: int                   # B, tokens
-    kl: Tensor                    # [generated tokens] float32 KL(p_full ‖ p_policy) per position (empty if infeasible)
-    event_kl: list[float]         # mean KL per expansion
-    jump: list[int]               # tree distance from the previous active leaf to this expansion's node
-    resident: list[int]           # resident tokens after every phase (allocation, rehydration, write)
-    peak: int                     # max resident tokens after the first allocation, rehydration transients included
-    prefill: int                  # resident tokens before the first allocation (the prompt's prefill)
-    max_after_alloc: int          # max resident tokens right after an allocation (must be <= B - reserve)
-    reserve: int
-    recomputed: int               # tokens re-prefilled (rehydration / branch recompute)
-    infeasible: str = ""          # the allocator's error when B is below the protected set
-    retained: list[dict[int, int]] = field(default_factory=list)   # per expansion: retained tokens per block (after its write)
-    rehydrated: list[list[int]] = field(default_factory=list)      # per expansion: blocks re-prefilled at its leaf transition
-
-    @property
-    def mean_kl(self) -> float:
-        """Mean KL over all generated tokens (nan if infeasible)."""
-        return float(self.kl.mean()) if self.kl.numel() else float("nan")
-
-
+# %% ../../nbs/serving/arbor_kv.ipynb #5b0e2f71
 def kl_full_to(ref_logp: Tensor, logits: Tensor) -> Tensor:
     """KL(p_full ‖ p) per row [n] float32 from reference log-probs [n, V] and logits [n, V]."""
     logp = torch.log_softmax(logits.float(), -1)
-    return (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp(min=0)
-
-
-def _apply(store: BlockKVStore, keep: Mapping[int, Tensor]) -> None:
-    for b, idx in keep.items():
-        if not bool(torch.isin(idx, store.keep[b]).all()):
-            raise RuntimeError(f"block {b}: an allocation may only shrink the retained set (token-extractive)")
-        store.keep[b] = idx
-
-
-def replay(model: torch.nn.Module, log: SearchLog, policy: str, budget_frac: float, *, theta: Sequence[float] | None = None,
-           lam: float = 0.5, n_sink: int = 4, tail: int = 8, rho_min: float = 0.5, unit_scores: bool = False,
-           reserve: int = 48, forward: bool = True) -> ReplayResult:
-    """Re-run the full-retention search's expansions under `policy`'s cache decisions at B = ⌊budget_frac · full
-    peak⌋. Events per expansion: active-leaf transition (allocate to B − reserve, rehydrate, allocate again), the
-    teacher-forced forward of the expansion's children (one per event), their write, the block boundary."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy={policy!r}: expected one of {POLICIES}")
-    if not (isinstance(budget_frac, (int, float)) and 0 < budget_frac <= 1):
-        raise ValueError(f"budget_frac={budget_frac!r}: expected a fraction in (0, 1] of the full-retention peak")
-    check_int("reserve", reserve, 0)
-    if policy == "arborkv" and theta is None and not unit_scores:
-        raise ValueError("theta: ArborKV needs the calibrated MSVE θ (or unit_scores=True)")
-    _check_budget_args(0, lam)
-    tree, B = log.tree, int(math.floor(budget_frac * log.full_peak))
-    msve = MSVE(theta) if theta is not None else None
-    store = BlockKVStore(log.store.dtype)
-    store.put(0, log.store.k[0], log.store.v[0])
-    kls, ev_kl, jumps, resident, last_used = [], [], [], [store.resident()], {0: -1}
-    retained, rehyd, restored = [], [], []
-    peak, after, rec, prev, err = 0, 0, 0, 0, ""
-    prefill = store.resident()
-    cap = max(B - reserve, 0)
-
-    def allocate(t: int, leaf: int, budget: int) -> None:
-        mass = log.mass_at(t)
-        if policy == "arborkv":
-            blocks = sorted(store.keep)
-            s = (torch.ones(len(blocks)) if unit_scores else msve(block_features(log, store, t, blocks)))
-            _apply(store, arborkv_allocate(tree, store, leaf, dict(zip(blocks, s.tolist())), mass, budget, lam,
-                                           n_sink, tail))
-        elif policy == "flat_h2o":
-            _apply(store, flat_h2o_allocate(tree, store, mass, budget))
-        elif policy == "streaming":
-            _apply(store, streaming_allocate(tree, store, leaf, budget, n_sink))
-        elif policy == "branch_lru":
-            _apply(store, branch_lru_evict(tree, store, leaf, last_used, budget))
-
-    for t, ev in enumerate(log.events):
-        leaf = ev.node
-        jumps.append(tree.distance(prev, leaf))
-        try:
-            if policy != "full":
-                allocate(t, leaf, cap)
-                peak = max(peak, store.resident())
-                restored = []
-                if policy in ("arborkv", "branch_lru"):
-                    before = store.resident()
-                    if policy == "arborkv":
-                        restored = [b for b in tree.path(leaf)[1:] if store.retained(b) < rho_min * tree[b].n]
-                        rec += rehydrate(model, tree, store, leaf, rho_min)
-                    else:
-                        restored = [b for b in tree.path(leaf) if store.retained(b) < tree[b].n]
-                        for b in restored:                          # exact recompute of the whole block
-                            rec += tree[b].n
-                            store.put(b, log.store.k[b], log.store.v[b])
-                    if store.resident() > before:
-                        peak = max(peak, store.resident())
-                        resident.append(store.resident())
-                        allocate(t, leaf, cap)
-                after = max(after, store.resident())
-                resident.append(store.resident())
-        except ValueError as e:
-            err = str(e)
-            break
-        for b in tree.path(leaf):
-            last_used[b] = t
-        if forward:
-            path = tree.path(leaf)
-            if all(store.retained(b) == tree[b].n and store.k[b] is log.store.k[b] for b in path):
-                kl = torch.zeros(sum(tree[c].n for c in ev.children))   # the full-retention cache itself: KL = 0 exactly
-            else:
-                cp = forward_children(model, tree, store, leaf, [tree[c].ids for c in ev.children])
-                kl = kl_full_to(log.ref_logp[t], torch.cat(cp.logits))
-            kls.append(kl.cpu())
-            ev_kl.append(float(kl.mean()))
-        for c in ev.children:
-            store.put(c, log.store.k[c], log.store.v[c])
-            last_used[c] = t
-        peak = max(peak, store.resident())
-        resident.append(store.resident())
-        if policy != "full" and store.resident() > B:   # block boundary under memory pressure
-            allocate(t + 1, leaf, B)
-            resident.append(store.resident())
-        retained.append({b: store.retained(b) for b in store.keep})
-        rehyd.append(restored if policy != "full" else [])
-        prev = leaf
-    kl_all = torch.cat(kls) if kls and not err else torch.zeros(0)
-    return ReplayResult(policy, float(budget_frac), B, kl_all, ev_kl if not err else [], jumps, resident, peak, prefill,
-                        after, reserve, rec, err, retained, rehyd)
-
-
-def token_bytes(tokens: int, model_or_geometry: Any, dtype: torch.dtype) -> int:
-    """Bytes of `tokens` resident KV tokens at `dtype` (all layers, K and V)."""
-    return int(tokens) * int(kv_bytes_per_token(model_or_geometry, dtype))
+    return kl_categorical(ref_logp, logp).clamp(min=0)
 
 # %% ../../nbs/serving/arbor_kv.ipynb #4437bb2a
-def compacted_attention_reference(q: Tensor, k_blocks: Sequence[Tensor], v_blocks: Sequence[Tensor],
-                                  keep_blocks: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Eager reference: per-block gather + `cat`, GQA by repeating K/V heads, the full [.., H, q, n] probability
-    tensor, then a separate column sum. q [..., H, nq, d]; blocks [..., kv_heads, n_b, d]; keep [m_b] long.
-    Returns out [..., H, nq, d] and colmass [..., m] (probability summed over heads and queries)."""
-    K = torch.cat([k.index_select(-2, i) for k, i in zip(k_blocks, keep_blocks)], -2)
-    V = torch.cat([v.index_select(-2, i) for v, i in zip(v_blocks, keep_blocks)], -2)
-    rep = q.shape[-3] // K.shape[-3]
-    K, V = K.repeat_interleave(rep, -3), V.repeat_interleave(rep, -3)
-    probs = torch.softmax((q @ K.transpose(-1, -2)) / math.sqrt(q.shape[-1]), -1)
-    return probs @ V, probs.sum((-3, -2))
-
-
 def compacted_attention(q: Tensor, K_all: Tensor, V_all: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
     """Fused form: gather the retained keys (creation-order indices idx [m]) from packed K/V [..., kv_heads, N, d],
     grouped-query QKᵀ → softmax → PV, and the per-key column mass from the same probabilities.
@@ -821,13 +451,11 @@ def compacted_attention(q: Tensor, K_all: Tensor, V_all: Tensor, idx: Tensor) ->
 
 compacted_attention_compiled = compile_fn(compacted_attention)
 
-
-def masked_full_attention(q: Tensor, K_all: Tensor, V_all: Tensor, idx: Tensor) -> tuple[Tensor, Tensor]:
-    """Attention over the whole packed cache with −inf on every evicted key (the semantics the compacted cache must
-    match): out [..., H, nq, d] and column mass [..., N] (zero on evicted keys)."""
-    rep = q.shape[-3] // K_all.shape[-3]
-    K, V = K_all.repeat_interleave(rep, -3), V_all.repeat_interleave(rep, -3)
-    bias = torch.full((K_all.shape[-2],), float("-inf"), device=q.device, dtype=q.dtype)
-    bias[idx] = 0.0
-    probs = torch.softmax((q @ K.transpose(-1, -2)) / math.sqrt(q.shape[-1]) + bias, -1)
-    return probs @ V, probs.sum((-3, -2))
+# %% ../../nbs/serving/arbor_kv.ipynb #e8b2c5f9
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, (
+    "SMOKE_TREE", "hand_built_log", "Puzzle", "solvable", "make_puzzles", "FEW_SHOT", "puzzle_prompt", "apply_step",
+    "step_value", "sample_children", "best_first_tot", "fit_logistic", "LABEL_THRESHOLD", "calibration_data",
+    "calibrate_msve", "flat_h2o_allocate", "streaming_allocate", "branch_lru_evict", "POLICIES", "ReplayResult", "replay",
+    "token_bytes", "compacted_attention_reference", "masked_full_attention"),
+    "kimi_papers.serving.arbor_kv_experiment")
