@@ -11,9 +11,10 @@ import torch
 from kimi_papers.core.models import CharTokenizer, tiny_causal_lm
 from kimi_papers.core.rl.rollout import HiddenStates, Policy, sequence_stats
 from kimi_papers.decoding.dccd import (
-    SCHEMA, ConstraintDeadEnd, TokenDFAMasker, WordProblem, answer_correct, constrained_batch, dccd_batch,
-    make_problems, masked_renorm, masked_renorm_reference, parse_json_answer, projection_tax, schema_regex,
-    stage2_prompt, strict_correct, _policy, EXTRACT_SYSTEM)
+    ConstraintDeadEnd, TokenDFAMasker, constrained_batch, dccd_batch, json_schema_regex, masked_renorm,
+    masked_renorm_reference, projection_tax, stage2_prompt, _policy, EXTRACT_SYSTEM)
+from kimi_papers.decoding.dccd_experiment import (
+    SCHEMA, WordProblem, answer_correct, make_problems, parse_json_answer, schema_regex, strict_correct)
 
 
 @pytest.fixture(scope="module")
@@ -219,6 +220,78 @@ def test_dccd_bad_inputs_and_left_truncation(tiny, tok, masker):
     assert len(ids) <= 200 and "final answer 7" in tok.decode(ids) and "w0 " not in tok.decode(ids)
     r = dccd_batch(tiny, tok, ["Ann has 2 pens."], masker, drafts=[[""]], json_tokens=200)[0]   # empty draft is allowed
     assert r.drafts == [""] and r.output.finished
+
+
+REVIEW_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "stars"],
+                 "properties": {"city": {"type": "string", "maxLength": 12}, "stars": {"enum": [1, 2, 3, 4, 5]},
+                                "tags": {"type": "array", "items": {"enum": ["clean", "quiet"]}, "maxItems": 2}}}
+
+
+def _outlines_index(m: TokenDFAMasker):
+    """outlines-core's Index of the masker's regex over the same token strings (excluded tokens left out)."""
+    import outlines_core
+    vocab = {}
+    for i, s in enumerate(m.strings):
+        if s is not None and i != m.eos_id:
+            vocab.setdefault(s, []).append(i)
+    return outlines_core.Index(m.regex, outlines_core.Vocabulary(m.eos_id, vocab))
+
+
+def _outlines_walk(m: TokenDFAMasker, index, seed: int, steps: int = 30) -> int:
+    """Random walk of allowed tokens; at every state outlines-core's Index allows exactly our tokens. -> states checked."""
+    rng, s_ours, s_oc, n = np.random.default_rng(seed), m.start_state(), index.get_initial_state(), 0
+    for n in range(1, steps + 1):
+        ours = set(m.allowed(s_ours).nonzero().flatten().tolist())
+        assert ours == set(index.get_allowed_tokens(s_oc)), (seed, n, s_ours)
+        assert m.is_final(s_ours) == index.is_final_state(s_oc)
+        t = int(rng.choice(sorted(ours)))
+        if t == m.eos_id:
+            break
+        s_ours, s_oc = m.advance(s_ours, t), index.get_next_state(s_oc, t)
+    return n
+
+
+def test_token_masks_agree_with_outlines_core_on_smollm2(tok, masker):
+    """Same regex, same SmolLM2 token strings: our interegular engine and outlines-core's Index allow the same tokens."""
+    schema_masker = TokenDFAMasker.from_json_schema(tok, REVIEW_SCHEMA)
+    assert schema_masker.regex == json_schema_regex(json.dumps(REVIEW_SCHEMA))
+    checked = 0
+    for m in (masker, schema_masker):
+        index = _outlines_index(m)
+        checked += sum(_outlines_walk(m, index, seed) for seed in range(2))
+    assert checked >= 40
+    # the start state of the schema allows only tokens that begin the object (`{`, `{"`, ...)
+    start = {schema_masker.strings[i] for i in schema_masker.allowed(schema_masker.start_state()).nonzero().flatten().tolist()}
+    assert "{" in start and '{"' in start and all(s.startswith("{") for s in start)
+
+
+def test_json_schema_regex_and_errors():
+    rx = re.compile(json_schema_regex(REVIEW_SCHEMA))
+    assert rx.fullmatch('{"city": "Lyon", "stars": 4}') and rx.fullmatch('{"city":"Lyon","stars":4,"tags":["quiet"]}')
+    assert not rx.fullmatch('{"city": "Lyon", "stars": 6}') and not rx.fullmatch('{"city": "' + "x" * 13 + '", "stars": 1}')
+    assert re.compile(json_schema_regex(REVIEW_SCHEMA, whitespace="")).fullmatch('{"city":"Lyon","stars":4}')
+    assert not re.compile(json_schema_regex(REVIEW_SCHEMA, whitespace="")).fullmatch('{"city": "Lyon","stars":4}')
+    with pytest.raises(ValueError, match="schema"):
+        json_schema_regex(["not", "a", "schema"])
+    with pytest.raises(ValueError, match="schema"):
+        json_schema_regex("{not json")
+
+
+def test_dccd_on_own_json_schema(tiny, tok):
+    import jsonschema
+    m = TokenDFAMasker.from_json_schema(tok, REVIEW_SCHEMA)
+    r = dccd_batch(tiny, tok, ["Where, and how many stars?"], m, drafts=[["Lyon, 4 stars."]], json_tokens=64,
+                   system="Convert the review into JSON.")[0]
+    assert r.output.finished
+    jsonschema.validate(json.loads(r.output.text), REVIEW_SCHEMA)
+
+
+def test_moved_harness_names_resolve_with_a_warning():
+    from kimi_papers.decoding import dccd, dccd_experiment
+    with pytest.warns(DeprecationWarning, match="dccd_experiment"):
+        assert dccd.run_arms is dccd_experiment.run_arms
+    with pytest.raises(AttributeError):
+        dccd.no_such_name
 
 
 def test_constrained_generate_single_prompt(tiny, tok, masker):

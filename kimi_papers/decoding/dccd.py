@@ -9,91 +9,25 @@ import functools
 import json
 import logging
 import math
-import random
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
 from ..core.rl.rollout import KVDecoder, Policy, generate
-
-try:  # the lead is moving the sampler into core.token_stats; fall back to its old home
-    from kimi_papers.core.token_stats import gumbel_noise, sample_next
-except ImportError:  # pragma: no cover
-    from kimi_papers.core.token_stats import gumbel_noise, sample_next
+from ..core.token_stats import gumbel_noise, sample_next
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'STRING_CHARS', 'SCHEMA', 'SCHEMA_HINT', 'DRAFT_SYSTEM', 'EXTRACT_SYSTEM', 'VOTE_SYSTEM', 'CD_SYSTEM',
-           'DRAFT_STOP', 'KINDS', 'ARMS', 'schema_regex', 'answer_schema', 'answer_correct', 'parse_json_answer',
-           'strict_correct', 'ConstraintDeadEnd', 'vocab_strings', 'TokenDFAMasker', 'masked_renorm_reference',
-           'masked_renorm', 'Constrained', 'projection_tax', 'constrained_batch', 'constrained_generate', 'draft_batch',
-           'draft', 'stage2_prompt', 'DCCDResult', 'dccd_batch', 'dccd', 'WordProblem', 'make_problems', 'ArmConfig',
-           'run_arms']
-
-# %% ../../nbs/decoding/dccd.ipynb #edf6dd64
-STRING_CHARS = r'[ !#-\[\]-~]'  # printable ASCII without `"` and `\`: a JSON string body that needs no escapes
-
-
-def schema_regex(max_steps: int = 3, max_chars: int = 60) -> str:
-    """The regex of our compact JSON `{"steps": [s1, ...], "answer": "<int>"}` (1..max_steps steps of 1..max_chars chars)."""
-    for name, val, lo in (("max_steps", max_steps, 1), ("max_chars", max_chars, 1)):
-        check_int(name, val, lo)
-    s = f'"{STRING_CHARS}{{1,{max_chars}}}"'
-    more = f"(, {s}){{0,{max_steps - 1}}}" if max_steps > 1 else ""
-    return r'\{"steps": \[' + s + more + r'\], "answer": "-?[0-9]{1,4}"\}'
-
-
-def answer_schema(max_steps: int = 3, max_chars: int = 60) -> dict:
-    """The JSON schema the regex implements (validated with `jsonschema`)."""
-    return {"type": "object", "additionalProperties": False, "required": ["steps", "answer"],
-            "properties": {"steps": {"type": "array", "minItems": 1, "maxItems": max_steps,
-                                     "items": {"type": "string", "minLength": 1, "maxLength": max_chars}},
-                           "answer": {"type": "string", "pattern": r"^-?[0-9]{1,4}$"}}}
-
-
-SCHEMA = answer_schema()
-
-# %% ../../nbs/decoding/dccd.ipynb #07ee6e2a
-def _last_int(text: str) -> int | None:
-    found = re.findall(r"-?\d+", text.replace(",", ""))
-    return int(found[-1]) if found else None
-
-
-def answer_correct(text: str, gold: int) -> bool:
-    """Answer accuracy ignoring format: the last integer in the text equals `gold`."""
-    return _last_int(text) == int(gold)
-
-
-def parse_json_answer(text: str, schema: dict | None = None) -> dict | None:
-    """The first `{...}` block of a free-form reply (regex, first `{` to last `}`) if it parses and validates, else None."""
-    import jsonschema
-    m = re.search(r"\{.*\}", text, flags=re.S)
-    if m is None:
-        return None
-    try:
-        obj = json.loads(m.group(0))
-        jsonschema.validate(obj, SCHEMA if schema is None else schema)
-    except (json.JSONDecodeError, jsonschema.ValidationError):
-        return None
-    return obj
-
-
-def strict_correct(text: str, gold: int, schema: dict | None = None) -> bool:
-    """Strict structured accuracy: the whole text parses as JSON, validates against the schema and its answer is `gold`."""
-    import jsonschema
-    try:
-        obj = json.loads(text)
-        jsonschema.validate(obj, SCHEMA if schema is None else schema)
-    except (json.JSONDecodeError, jsonschema.ValidationError):
-        return False
-    return int(obj["answer"]) == int(gold)
+__all__ = ['log', 'SCHEMA_HINT', 'DRAFT_SYSTEM', 'EXTRACT_SYSTEM', 'VOTE_SYSTEM', 'CD_SYSTEM', 'DRAFT_STOP', 'ConstraintDeadEnd',
+           'vocab_strings', 'json_schema_regex', 'TokenDFAMasker', 'masked_renorm_reference', 'masked_renorm',
+           'Constrained', 'projection_tax', 'constrained_batch', 'constrained_generate', 'draft_batch', 'draft',
+           'stage2_prompt', 'DCCDResult', 'dccd_batch', 'dccd']
 
 # %% ../../nbs/decoding/dccd.ipynb #88c4a273
 class ConstraintDeadEnd(RuntimeError):
@@ -109,6 +43,21 @@ def vocab_strings(tokenizer: Any) -> list[str | None]:
         texts = [tokenizer.decode([i]) for i in range(V)]
     special = set(getattr(tokenizer, "all_special_ids", None) or ()) | set(getattr(tokenizer, "added_tokens_decoder", None) or ())
     return [None if (i in special or not s or not s.isascii()) else s for i, s in enumerate(texts)]
+
+
+def json_schema_regex(schema: dict | str, whitespace: str | None = None) -> str:
+    """The regex of a JSON schema (a dict or its JSON text) by outlines-core's `build_regex_from_schema`.
+
+    `whitespace` is the regex allowed between tokens (outlines-core's default `[ ]?` when None)."""
+    from outlines_core.json_schema import build_regex_from_schema
+    if isinstance(schema, dict):
+        schema = json.dumps(schema)
+    if not isinstance(schema, str):
+        raise ValueError(f"schema: expected a JSON schema as a dict or a JSON string, got {type(schema).__name__}")
+    try:
+        return build_regex_from_schema(schema, whitespace)
+    except Exception as e:  # outlines-core raises ValueError/TypeError subclasses from Rust
+        raise ValueError(f"schema: outlines-core cannot turn it into a regex: {e}") from e
 
 
 def _eos_of(tokenizer: Any) -> int:
@@ -153,6 +102,12 @@ class TokenDFAMasker:
         self.vocab_size, self.eos_id = len(self.strings), _eos_of(tokenizer) if eos_id is None else int(eos_id)
         self._prepare_tokens()
         self._row = functools.lru_cache(maxsize=None)(self._compute_row)
+
+    @classmethod
+    def from_json_schema(cls, tokenizer: Any, schema: dict | str, whitespace: str | None = None,
+                         **kw: Any) -> "TokenDFAMasker":
+        """The masker of a JSON schema: outlines-core's schema-to-regex, then this engine (non-ASCII tokens stay excluded)."""
+        return cls(tokenizer, json_schema_regex(schema, whitespace), **kw)
 
     @staticmethod
     def _live_states(fsm: Any) -> set:
@@ -393,10 +348,10 @@ def _policy(model: Any, tok: Any, system: str) -> Policy:
 
 
 def draft_batch(model: Any, tok: Any, questions: Sequence[str], temperature: float, max_new_tokens: int,
-                seed: int = 0) -> tuple[list[str], list[int]]:
+                seed: int = 0, system: str = DRAFT_SYSTEM) -> tuple[list[str], list[int]]:
     """Unconstrained stage-1 drafts (one per question; greedy at T = 0) -> (texts, generated token counts)."""
     temperature = _check_temperature(temperature)
-    pol = _policy(model, tok, DRAFT_SYSTEM)
+    pol = _policy(model, tok, system)
     _, _, resp, texts = generate(pol, [pol.encode_prompt(q) for q in questions], max_new_tokens=max_new_tokens,
                                  temperature=max(temperature, 1e-6), stop=DRAFT_STOP, seed=None if temperature == 0 else seed,
                                  greedy=temperature == 0)
@@ -445,20 +400,24 @@ def _choose(outs: Sequence[Constrained]) -> int:
 
 def dccd_batch(model: Any, tok: Any, questions: Sequence[str], masker: TokenDFAMasker, k: int = 1, select: str = "tax",
                projector: Any = None, temperature: float | None = None, draft_tokens: int = 96, json_tokens: int = 96,
-               seed: int = 0, repeat_question: bool = True, drafts: Sequence[Sequence[str]] | None = None) -> list[DCCDResult]:
-    """Draft-conditioned constrained decoding of several questions: K drafts each, projected under the mask by `projector`."""
+               seed: int = 0, repeat_question: bool = True, drafts: Sequence[Sequence[str]] | None = None,
+               system: str | None = None, draft_system: str = DRAFT_SYSTEM) -> list[DCCDResult]:
+    """Draft-conditioned constrained decoding of several questions: K drafts each, projected under the mask by `projector`.
+
+    `system` replaces the stage-2 prompt (default: EXTRACT_SYSTEM, or VOTE_SYSTEM for a vote), e.g. for your own schema."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k={k!r}: expected an int >= 1 (drafts per question)")
     if select not in ("tax", "vote_prompt"):
         raise ValueError(f"select={select!r}: expected 'tax' (best-of-K by projection tax) or 'vote_prompt' (all drafts in one prompt)")
     temperature = _check_temperature((0.0 if k == 1 else 0.8) if temperature is None else temperature)
     if drafts is None:
-        flat, _ = draft_batch(model, tok, [q for q in questions for _ in range(k)], temperature, draft_tokens, seed)
+        flat, _ = draft_batch(model, tok, [q for q in questions for _ in range(k)], temperature, draft_tokens, seed,
+                              draft_system)
         drafts = [flat[i * k:(i + 1) * k] for i in range(len(questions))]
     if len(drafts) != len(questions) or any(len(d) != k for d in drafts):
         raise ValueError(f"drafts: expected {len(questions)} lists of k={k} drafts")
     proj = model if projector is None else projector
-    pol = _policy(proj, tok, EXTRACT_SYSTEM if select == "tax" or k == 1 else VOTE_SYSTEM)
+    pol = _policy(proj, tok, system or (EXTRACT_SYSTEM if select == "tax" or k == 1 else VOTE_SYSTEM))
     qs = [q if repeat_question else None for q in questions]
     if select == "tax" or k == 1:
         outs = constrained_batch(pol, [stage2_prompt(pol, q, [d]) for q, ds in zip(qs, drafts) for d in ds], masker, json_tokens)
@@ -477,173 +436,8 @@ def dccd(model: Any, tok: Any, question: str, masker: TokenDFAMasker, k: int = 1
     """DCCD on one question (see `dccd_batch` for the keywords)."""
     return dccd_batch(model, tok, [question], masker, k, select, projector, **kw)[0]
 
-# %% ../../nbs/decoding/dccd.ipynb #f3aabef4
-@dataclass(frozen=True)
-class WordProblem:
-    """A one- or two-step word problem with a small non-negative integer answer."""
-    question: str
-    answer: int
-    kind: str
-    solution: str = ""  # a correct worked solution (the oracle draft of the positive control)
-
-
-_NAMES = ("Ann", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jill", "Kofi", "Lena", "Milo", "Nia", "Omar", "Pia")
-_ITEMS = ("pens", "apples", "stamps", "marbles", "books", "cards", "shells", "coins", "stickers", "eggs")
-_SHE = {n: ("She" if n in ("Ann", "Cara", "Fay", "Hana", "Jill", "Lena", "Nia", "Pia") else "He") for n in _NAMES}
-KINDS = ("add", "sub", "mul", "add_sub", "mul_add")
-
-
-def _problem(kind: str, name: str, item: str, a: int, b: int, c: int) -> WordProblem | None:
-    she = _SHE[name]
-    if kind == "add":
-        return WordProblem(f"{name} has {a} {item}. {she} buys {b} more. How many {item} does {name} have now?", a + b, kind,
-                           f"{name} has {a} {item} and buys {b} more, so {a} + {b} = {a + b}. The answer is {a + b}.")
-    if kind == "sub":
-        return None if b > a else WordProblem(
-            f"{name} has {a} {item}. {she} gives {b} of them to a friend. How many {item} does {name} have left?", a - b, kind,
-            f"{name} gives away {b} of {a} {item}, so {a} - {b} = {a - b}. The answer is {a - b}.")
-    if kind == "mul":
-        return WordProblem(f"{name} has {a} boxes with {b} {item} in each box. How many {item} does {name} have in all?", a * b, kind,
-                           f"{a} boxes of {b} {item} make {a} * {b} = {a * b}. The answer is {a * b}.")
-    if kind == "add_sub":
-        return None if c > a + b else WordProblem(
-            f"{name} has {a} {item}. {she} buys {b} more and then gives {c} away. How many {item} does {name} have now?",
-            a + b - c, kind, f"{a} + {b} = {a + b} {item}, then {a + b} - {c} = {a + b - c}. The answer is {a + b - c}.")
-    return WordProblem(f"{name} has {a} bags with {b} {item} in each bag and {c} loose {item}. "
-                       f"How many {item} does {name} have in all?", a * b + c, kind,
-                       f"{a} * {b} = {a * b} {item} in bags, plus {c} gives {a * b} + {c} = {a * b + c}. The answer is {a * b + c}.")
-
-
-@functools.lru_cache(maxsize=4)
-def _pool(pool_seed: int = 0) -> tuple[WordProblem, ...]:
-    """Every distinct problem of the generator, in a fixed shuffled order."""
-    out = []
-    for kind in KINDS:
-        big = kind in ("add", "sub", "add_sub")
-        for name in _NAMES:
-            for item in _ITEMS:
-                for a in range(2, 20 if big else 10):
-                    for b in range(2, 10):
-                        p = _problem(kind, name, item, a, b, (a + 2 * b) % 7 + 1)
-                        if p is not None:
-                            out.append(p)
-    random.Random(pool_seed).shuffle(out)
-    return tuple(out)
-
-
-def make_problems(n: int, seed: int = 0) -> list[WordProblem]:
-    """`n` problems for `seed`: disjoint slices of one fixed pool, so different seeds never share a problem."""
-    check_int("n", n)
-    check_int("seed", seed, 0)
-    pool = _pool()
-    if (seed + 1) * n > len(pool):
-        raise ValueError(f"n={n}, seed={seed}: the pool holds only {len(pool)} problems ({len(pool) // n} disjoint sets of {n})")
-    return list(pool[seed * n:(seed + 1) * n])
-
-# %% ../../nbs/decoding/dccd.ipynb #352ec6c7
-ARMS = ("A_unconstrained", "B_cd", "C_dccd", "C_noq", "D_best_tax", "D_vote", "E_random_draft", "F_oracle_draft")
-
-
-@dataclass
-class ArmConfig:
-    """Token budgets, K and batching of one experiment run (all arms share them)."""
-    draft_tokens: int = 96
-    json_tokens: int = 96
-    k: int = 4
-    k_temperature: float = 0.8
-    batch_size: int = 16
-    arms: tuple = ARMS
-
-
-def _chunks(fn: Any, items: Sequence, bs: int) -> list:
-    """fn(chunk, chunk_index) over chunks of `bs` items, results concatenated."""
-    out = []
-    for j, i in enumerate(range(0, len(items), bs)):
-        out.extend(fn(items[i:i + bs], j))
-    return out
-
-
-def _free_replies(pol: Policy, qs: Sequence[str], max_new_tokens: int) -> list[tuple[str, int]]:
-    """Greedy unconstrained replies -> (text, generated token count) per question."""
-    _, _, resp, texts = generate(pol, [pol.encode_prompt(q) for q in qs], max_new_tokens=max_new_tokens, greedy=True)
-    return list(zip(texts, resp.sum(-1).tolist()))
-
-
-def _derangement(n: int, rng: random.Random) -> list[int]:
-    """A random permutation of range(n) with no fixed point (n >= 2)."""
-    while True:
-        p = list(range(n))
-        rng.shuffle(p)
-        if all(i != j for i, j in enumerate(p)):
-            return p
-
-
-def _row(arm: str, i: int, prob: WordProblem, out: Constrained | None, text: str, tokens: int, draft_text: str = "",
-         cands: Sequence[Constrained] = ()) -> dict:
-    if out is None:  # unconstrained: the reply is parsed
-        parsed = parse_json_answer(text)
-        strict, valid = parsed is not None and int(parsed["answer"]) == prob.answer, parsed is not None
-        tax = mean_logz = mean_z = float("nan")
-        logz, toks, n_json = [], [], tokens
-    else:
-        strict, valid = strict_correct(out.text, prob.answer), out.finished
-        tax, mean_logz, mean_z = out.tax, float(np.mean(out.logZ)), out.mean_Z
-        logz, toks, n_json = out.logZ, out.tokens, len(out.tokens)
-    return dict(problem=i, kind=prob.kind, arm=arm, strict=bool(strict), valid=bool(valid),
-                answer_ok=answer_correct(text, prob.answer), tax=tax, mean_logZ=mean_logz, mean_Z=mean_z,
-                json_tokens=n_json, tokens=tokens, finished=out.finished if out else valid, text=text,
-                draft=draft_text, logZ=list(logz), token_ids=list(toks),
-                cand_taxes=[c.tax for c in cands], cand_texts=[c.text for c in cands], cand_finished=[c.finished for c in cands])
-
-
-def run_arms(model: Any, tok: Any, problems: Sequence[WordProblem], masker: TokenDFAMasker, cfg: ArmConfig,
-             seed: int = 0) -> list[dict]:
-    """Every arm of `cfg.arms` on the same problems and seed -> one row per (problem, arm)."""
-    bad = set(cfg.arms) - set(ARMS)
-    if bad:
-        raise ValueError(f"cfg.arms: unknown arms {sorted(bad)}; expected a subset of {ARMS}")
-    if "E_random_draft" in cfg.arms and len(problems) < 2:
-        raise ValueError("problems: the random-draft ablation needs at least 2 problems")
-    qs, bs, rows = [p.question for p in problems], cfg.batch_size, []
-    J = cfg.json_tokens
-    cd = _policy(model, tok, CD_SYSTEM)
-    if "A_unconstrained" in cfg.arms:
-        res = _chunks(lambda c, _: _free_replies(cd, c, J), qs, bs)
-        rows += [_row("A_unconstrained", i, p, None, text, n) for i, (p, (text, n)) in enumerate(zip(problems, res))]
-    if "B_cd" in cfg.arms:
-        outs = _chunks(lambda c, _: constrained_batch(cd, [cd.encode_prompt(q) for q in c], masker, J), qs, bs)
-        rows += [_row("B_cd", i, p, o, o.text, len(o.tokens)) for i, (p, o) in enumerate(zip(problems, outs))]
-    need_d1 = {"C_dccd", "C_noq", "E_random_draft"} & set(cfg.arms)
-    if need_d1:
-        d1 = _chunks(lambda c, _: list(zip(*draft_batch(model, tok, c, 0.0, cfg.draft_tokens, seed))), qs, bs)
-        drafts, ntok = [d for d, _ in d1], [n for _, n in d1]
-        perm = _derangement(len(problems), random.Random(seed))
-        variants = {"C_dccd": (drafts, ntok, True), "C_noq": (drafts, ntok, False),
-                    "E_random_draft": ([drafts[j] for j in perm], [ntok[j] for j in perm], True)}
-        for arm in ("C_dccd", "C_noq", "E_random_draft"):
-            if arm in cfg.arms:
-                ds, nt, rq = variants[arm]
-                res = _chunks(lambda c, _: dccd_batch(model, tok, [q for q, _ in c], masker, 1, drafts=[[d] for _, d in c],
-                                                   json_tokens=J, repeat_question=rq), list(zip(qs, ds)), bs)
-                rows += [_row(arm, i, p, r.output, r.output.text, n + len(r.output.tokens), r.drafts[0])
-                         for i, (p, r, n) in enumerate(zip(problems, res, nt))]
-    if {"D_best_tax", "D_vote"} & set(cfg.arms):
-        K = cfg.k
-        flat = _chunks(lambda c, j: list(zip(*draft_batch(model, tok, c, cfg.k_temperature, cfg.draft_tokens, 1000 * seed + j + 1))),
-                       [q for q in qs for _ in range(K)], bs)
-        dk = [[d for d, _ in flat[i * K:(i + 1) * K]] for i in range(len(problems))]
-        nk = [sum(n for _, n in flat[i * K:(i + 1) * K]) for i in range(len(problems))]
-        for arm, sel in (("D_best_tax", "tax"), ("D_vote", "vote_prompt")):
-            if arm in cfg.arms:
-                res = _chunks(lambda c, _: dccd_batch(model, tok, [q for q, _ in c], masker, K, sel, drafts=[d for _, d in c],
-                                                   json_tokens=J), list(zip(qs, dk)), max(1, bs // K) if sel == "tax" else bs)
-                rows += [_row(arm, i, p, r.output, r.output.text, n + sum(len(o.tokens) for o in r.outputs), r.drafts[r.chosen],
-                              r.outputs if sel == "tax" else ()) for i, (p, r, n) in enumerate(zip(problems, res, nk))]
-    if "F_oracle_draft" in cfg.arms:  # positive control: a correct worked solution as the draft
-        res = _chunks(lambda c, _: dccd_batch(model, tok, [p.question for p in c], masker, 1, drafts=[[p.solution] for p in c],
-                                              json_tokens=J), list(problems), bs)
-        rows += [_row("F_oracle_draft", i, p, r.output, r.output.text, len(r.output.tokens), p.solution)
-                 for i, (p, r) in enumerate(zip(problems, res))]
-    for r in rows:
-        r["seed"] = seed
-    return rows
+# %% ../../nbs/decoding/dccd.ipynb #c9f5b4e3
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, (
+    "STRING_CHARS", "SCHEMA", "schema_regex", "answer_schema", "answer_correct", "parse_json_answer", "strict_correct",
+    "WordProblem", "KINDS", "make_problems", "ARMS", "ArmConfig", "run_arms"), "kimi_papers.decoding.dccd_experiment")
