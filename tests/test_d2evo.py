@@ -10,6 +10,7 @@ from kimi_papers.core.kernels import compiled_ran
 from kimi_papers.core.rl import scripted_policy
 from kimi_papers.core.token_stats import sample_next_compiled, gumbel_noise, sample_next
 from kimi_papers.rl import d2evo as D
+from kimi_papers.rl import d2evo_experiment as DE
 
 
 def test_plateau_reward_values_edges_and_kinds():
@@ -69,7 +70,7 @@ def test_arithgen_truth_split_and_bad_input():
     items = g.sample(300)
     assert all(p.answer == str(eval(p.prompt[:-1])) for p in items)
     assert not any(g.is_heldout(p) for p in items)
-    hard = D.hard_split(30, g)
+    hard = DE.hard_split(30, g)
     assert all(max(map(len, re.findall(r"\d+", p.prompt))) == 3 or len(re.findall(r"\d+", p.prompt)) == 3 for p in hard)
     with pytest.raises(ValueError, match="ops"):
         D.ArithGen(ops="^")
@@ -95,15 +96,15 @@ def test_judge_and_buffer_with_a_scripted_solver():
 
 def test_config_validation():
     with pytest.raises(ValueError, match="arm="):
-        D.D2EvoConfig(arm="nope")
+        DE.D2EvoConfig(arm="nope")
     with pytest.raises(ValueError, match="a="):
-        D.D2EvoConfig(a=0.5)
+        DE.D2EvoConfig(a=0.5)
     with pytest.raises(ValueError, match="s_steps"):
-        D.D2EvoConfig(s_steps=0)
+        DE.D2EvoConfig(s_steps=0)
     with pytest.raises(ValueError, match="alpha"):
-        D.D2EvoConfig(alpha=1.5)
+        DE.D2EvoConfig(alpha=1.5)
     with pytest.raises(ValueError, match="arm 'x'"):
-        D.arm_config("x", D.D2EvoConfig(), 0)
+        DE.arm_config("x", DE.D2EvoConfig(), 0)
 
 
 def test_solver_reward():
@@ -112,13 +113,13 @@ def test_solver_reward():
 
 
 def test_fixture_loads_and_tiny_run_is_deterministic():
-    policy, info = D.d2evo_policy()
-    assert info["source"] == D.fixture_file().name
-    cfg = D.D2EvoConfig(arm="d2evo", iterations=1, pool=16, n_difficulty=4, n_v=4, q_steps=1, s_steps=1, q_prompts=2,
+    policy, info = DE.d2evo_policy()
+    assert info["source"] == DE.fixture_file().name
+    cfg = DE.D2EvoConfig(arm="d2evo", iterations=1, pool=16, n_difficulty=4, n_v=4, q_steps=1, s_steps=1, q_prompts=2,
                         q_group=2, s_prompts=2, s_group=2, max_anchors=2, m_per_anchor=2, band=(0.25, 1.0))
     test = D.ArithGen().heldout(20)
-    a, st = D.run_d2evo(cfg, policy, test=test, eval_samples=1, return_state=True)
-    b = D.run_d2evo(cfg, policy, test=test, eval_samples=1)
+    a, st = DE.run_d2evo(cfg, policy, test=test, eval_samples=1, return_state=True)
+    b = DE.run_d2evo(cfg, policy, test=test, eval_samples=1)
     assert a.drop(columns="wall_s").equals(b.drop(columns="wall_s"))
     assert a.solver_steps.iloc[-1] == 1 and a.leaks.sum() == 0
     assert all(p.prompt not in {t.prompt for t in test} for p in st.buffer)

@@ -9,28 +9,19 @@ import math
 import random
 import re
 import string
-import time
-from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 
-from ..core.config import check_int, project_root
-from ..core.io import atomic_write
-from ..core.models import CharTokenizer, tiny_causal_lm
-from ..core.rl import (
-    Policy, Problem, Task, Trainer, eval_expression, evaluate, generate, sft_warmstart, warm_arith_policy)
+from ..core.config import check_int, moved_names
+from ..core.rl import Policy, Problem, Task, eval_expression, generate
 
 # %% auto #0
-__all__ = ['ALPHABET', 'MAX_ABS', 'FIXTURE', 'SFT', 'ARMS', 'ARM_SPECS', 'ArithGen', 'meta_of', 'plateau_reward',
-           'select_anchors', 'widen_band', 'difficulty_of', 'questioner_prompt', 'parse_question', 'is_integer_text',
-           'majority_label', 'RoleMix', 'fixture_file', 'd2evo_policy', 'sample_texts', 'pass_rates', 'D2EvoConfig',
-           'solver_reward', 'QuestionerTask', 'D2EvoState', 'judge_questions', 'questioner_rewards',
-           'build_hybrid_buffer', 'init_state', 'd2evo_iteration', 'evaluate_solver', 'hard_split', 'run_d2evo',
-           'arm_config', 'run_arms']
+__all__ = ['ALPHABET', 'MAX_ABS', 'ArithGen', 'meta_of', 'plateau_reward', 'select_anchors', 'widen_band', 'difficulty_of',
+           'questioner_prompt', 'parse_question', 'is_integer_text', 'majority_label', 'sample_texts', 'pass_rates',
+           'solver_reward', 'QuestionerTask', 'judge_questions', 'questioner_rewards', 'build_hybrid_buffer']
 
 # %% ../../nbs/rl/d2evo.ipynb #c33be0dc
 ALPHABET = "0123456789+-*=" + "() :" + string.ascii_lowercase + "W"  # starts with the core arithmetic alphabet
@@ -216,102 +207,6 @@ def majority_label(answers: Sequence[str]) -> tuple[Optional[str], float]:
     share = top[0] / len(answers)
     return (None, share) if len(top) > 1 and top[0] == top[1] else (label, share)
 
-# %% ../../nbs/rl/d2evo.ipynb #4abd17d3
-FIXTURE = dict(d_model=96, n_layers=3, n_heads=4, max_len=112, seed=0)
-SFT = dict(steps=700, batch_size=64, lr=1e-3, q_share=0.35, free_share=0.1, target_acc=None, eval_every=350, eval_n=300)
-
-
-def _variant(q: str, rng: random.Random) -> str:
-    """A number-substituted variant of an expression: every literal replaced by a random one of the same length."""
-    def sub(m: re.Match) -> str:
-        d = len(m.group())
-        return str(rng.randint(0 if d == 1 else 10 ** (d - 1), 10**d - 1))
-    return re.sub(r"\d+", sub, q)
-
-
-class RoleMix(Task):
-    """SFT mixture of both roles: Solver items `q=` → answer, and Questioner prompts → a new problem.
-
-    Anchored Questioner prompts target a number-substituted variant of the anchor, anchor-free ones a random item;
-    anchors, their answers and targets are all drawn from the training split, so no test answer is ever seen."""
-    alphabet = ALPHABET
-
-    def __init__(self, gen: ArithGen, q_share: float = 0.35, free_share: float = 0.1):
-        if not (0 <= q_share and 0 <= free_share and q_share + free_share < 1):
-            raise ValueError(f"q_share={q_share}, free_share={free_share}: expected shares >= 0 summing below 1")
-        self.gen, self.q_share, self.free_share, self.name = gen, q_share, free_share, f"rolemix-{gen.name}"
-
-    def _train_expr(self, rng: random.Random, like: str | None = None) -> str:
-        for _ in range(1000):
-            q = _variant(like, rng) if like else self.gen.expression(rng)
-            if not self.gen.is_heldout(self.gen.make_from(q)):
-                return q
-        raise ValueError("RoleMix: could not draw a training-split expression")
-
-    def make(self, rng: random.Random) -> Problem:
-        u = rng.random()
-        if u < self.q_share:
-            q = self._train_expr(rng)
-            prompt = questioner_prompt(q, ArithGen.answer(q), rng.randint(0, 99))
-            return Problem(prompt=prompt, answer="", solution=self._train_expr(rng, q), meta=(("role", "questioner"),))
-        if u < self.q_share + self.free_share:
-            return Problem(prompt=questioner_prompt(None, None, rng.randint(0, 99)), answer="",
-                           solution=self._train_expr(rng), meta=(("role", "questioner"),))
-        return self.gen.make(rng)  # a held-out draw is rejected by Task.sample's split filter
-
-    def is_heldout(self, problem: Problem) -> bool:
-        return bool(not problem.meta and self.gen.is_heldout(problem))
-
-    def verify(self, problem: Problem, response: str) -> bool:
-        if problem.meta:
-            return parse_question(response) is not None
-        return response.strip() == problem.answer
-
-
-def _transplant(src: torch.nn.Module, dst: torch.nn.Module) -> None:
-    """Copy a smaller-vocabulary model into `dst`: equal tensors whole, vocabulary tensors row by row (ids agree)."""
-    want = dst.state_dict()
-    with torch.no_grad():
-        for k, v in src.state_dict().items():
-            if k not in want or want[k].shape[1:] != v.shape[1:] or want[k].shape[0] < v.shape[0]:
-                raise ValueError(f"_transplant: tensor {k!r} of shape {tuple(v.shape)} does not fit the target")
-            want[k][: v.shape[0]].copy_(v)
-
-
-def fixture_file() -> Path:
-    """The committed warm-start checkpoint of the two-role tiny policy."""
-    return project_root() / "tests" / "fixtures" / "d2evo" / "d2evo_tiny.pt"
-
-
-def d2evo_policy(fixture: bool = True, save_fixture: bool = False, gen: ArithGen | None = None,
-                 progress: bool = False, device: str | torch.device = "cpu") -> tuple[Policy, dict]:
-    """The tiny char Llama, SFT'd on both roles (loaded from the committed fixture when present, else trained)."""
-    gen = gen or ArithGen()
-    tok = CharTokenizer(ALPHABET)
-    model = tiny_causal_lm(tok.vocab_size, arch="llama", tokenizer=tok, **FIXTURE)
-    policy = Policy(model, tok, add_bos=True)
-    meta = dict(FIXTURE, sft=dict(SFT), gen=gen.name, start="warm_arith_policy")
-    path = fixture_file()
-    if fixture and path.is_file():
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if blob.get("meta") == meta:
-            model.load_state_dict({k: v.float() for k, v in blob["state_dict"].items()})
-            return policy.__class__(model.to(device), tok, add_bos=True), dict(blob["info"], source=path.name)
-    t0 = time.perf_counter()
-    _transplant(warm_arith_policy(progress=progress)[0].model, model)
-    mix = RoleMix(gen, SFT["q_share"], SFT["free_share"])
-    log = sft_warmstart(policy, task=mix, steps=SFT["steps"], batch_size=SFT["batch_size"], lr=SFT["lr"],
-                        seed=FIXTURE["seed"], target_acc=SFT["target_acc"], eval_every=SFT["eval_every"],
-                        eval_n=SFT["eval_n"], progress=progress)
-    for p in model.parameters():  # the fixture is stored in fp16: use exactly those weights from now on
-        p.data = p.data.half().float()
-    info = dict(sft_seconds=round(time.perf_counter() - t0, 1), source="trained", sft_steps_run=int(log["step"].max()),
-                sft_greedy_acc=float(log["eval_acc"].dropna().iloc[-1]))
-    if save_fixture:
-        sd = {k: v.half().clone() for k, v in model.state_dict().items()}
-        atomic_write(path, lambda tmp: torch.save({"meta": meta, "info": info, "state_dict": sd}, tmp))
-    return Policy(model.to(device), tok, add_bos=True), info
-
 # %% ../../nbs/rl/d2evo.ipynb #5e791754
 @torch.no_grad()
 def sample_texts(policy: Policy, prompts: Sequence[str], n: int, *, generator: torch.Generator,
@@ -343,55 +238,7 @@ def pass_rates(policy: Policy, questions: Sequence[str], answers: Sequence[str],
                         temperature=temp)
     return np.array([sum(t.strip() == str(a) for t in o) / n for o, a in zip(outs, answers)], dtype=np.float64)
 
-# %% ../../nbs/rl/d2evo.ipynb #4f222921
-ARMS = ("grpo", "no_questioner", "random_anchors", "anchor_free", "d2evo")
-
-
-@dataclass
-class D2EvoConfig:
-    """Knobs of one run. `arm`: grpo (Solver on the fixed pool, no mining), no_questioner (re-mined anchors only),
-    random_anchors, anchor_free (Questioner prompt without the anchor) or d2evo. Unreported values are our guesses."""
-    arm: str = "d2evo"
-    verify: bool = False            # keep a synthetic item only if its majority label is the truth (oracle)
-    seed: int = 0
-    iterations: int = 3             # T
-    pool: int = 200                 # |R| real items (10R for the 10x-data baseline)
-    extra_random: tuple = ()        # per iteration: random ArithGen items (true labels) added to the pool (a control)
-    n_difficulty: int = 32          # N rollouts per real item for Acc_S(q)
-    n_v: int = 8                    # N_v Solver rollouts per generated question
-    band: tuple = (0.4, 0.8)        # anchor band on Acc_S
-    tau: tuple = (0.4, 0.8)         # plateau band (tau_l, tau_u) on x
-    a: float = 2.0
-    alpha: float = 0.9              # R = alpha * R_acc + (1 - alpha) * R_fmt
-    max_anchors: int = 16           # anchors the Questioner writes from (a random subset when more are found)
-    m_per_anchor: int = 4           # candidate questions per anchor for the hybrid buffer
-    q_steps: int = 4                # Questioner GRPO steps per iteration
-    q_prompts: int = 4              # anchors per Questioner step
-    q_group: int = 4
-    s_steps: int = 10               # Solver GRPO steps per iteration (the matched budget)
-    s_prompts: int = 8
-    s_group: int = 8
-    lr: float = 1e-4
-    q_lr: float = 1e-4
-    temperature: float = 1.0
-    s_tokens: int = 8
-    q_tokens: int = 12
-
-    def __post_init__(self):
-        if self.arm not in ARMS:
-            raise ValueError(f"arm={self.arm!r}: expected one of {ARMS}")
-        for name in ("iterations", "pool", "n_difficulty", "n_v", "max_anchors", "m_per_anchor", "q_steps",
-                     "q_prompts", "q_group", "s_steps", "s_prompts", "s_group", "s_tokens", "q_tokens"):
-            check_int(name, getattr(self, name))
-        check_int("seed", self.seed, 0)
-        _check_band(*self.band)
-        plateau_reward(np.zeros(1), *self.tau, a=self.a)  # validates tau and a
-        if not 0 <= self.alpha <= 1:
-            raise ValueError(f"alpha={self.alpha!r}: expected a number in [0, 1]")
-        if self.extra_random and len(self.extra_random) != self.iterations:
-            raise ValueError(f"extra_random: expected one count per iteration ({self.iterations}), got {len(self.extra_random)}")
-
-
+# %% ../../nbs/rl/d2evo.ipynb #8648c0bf
 def solver_reward(alpha: float):
     """Row reward α·1[answer == label] + (1−α)·1[well-formed integer]: a Trainer `reward_fn`."""
     def fn(problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:
@@ -405,28 +252,6 @@ class QuestionerTask(Task):
 
     def verify(self, problem: Problem, response: str) -> bool:
         return parse_question(response) is not None
-
-
-@dataclass
-class D2EvoState:
-    """Everything one run carries across iterations: the shared policy, both role trainers, the data and the logs."""
-    cfg: D2EvoConfig
-    policy: Policy
-    gen: ArithGen
-    pool: list
-    banned: set                     # prompts a generated question may not equal (pool and test sets)
-    solver: Trainer
-    questioner: Trainer | None
-    rng: random.Random
-    noise: torch.Generator
-    buffer: list = field(default_factory=list)
-    anchors: list = field(default_factory=list)
-    q_anchors: list = field(default_factory=list)
-    iteration: int = 0
-    log: list = field(default_factory=list)
-    candidates: list = field(default_factory=list)
-    q_stats: list = field(default_factory=list)
-    test_prompts: set = field(default_factory=set)
 
 # %% ../../nbs/rl/d2evo.ipynb #b67338af
 def judge_questions(policy: Policy, texts: Sequence[str], *, n_v: int, generator: torch.Generator,
@@ -489,214 +314,10 @@ def build_hybrid_buffer(policy: Policy, anchors: Sequence[Problem], m_per_anchor
     items = [_problem(q, lab, tr, "synthetic") for q, lab, tr in cand.loc[keep, ["question", "label", "truth"]].itertuples(index=False)]
     return items, cand
 
-# %% ../../nbs/rl/d2evo.ipynb #2009378c
-def _sample_from(items: list, k: int, rng: random.Random) -> list:
-    return rng.sample(items, k) if len(items) >= k else [rng.choice(items) for _ in range(k)]
-
-
-def init_state(cfg: D2EvoConfig, policy: Policy, *, test: Sequence[Problem] = (), hard: Sequence[Problem] = ()) -> D2EvoState:
-    """A fresh run: a private copy of `policy`, the seed's real pool R (first `cfg.pool` distinct training draws), both trainers."""
-    import copy
-    pol = Policy(copy.deepcopy(policy.model), policy.tokenizer, add_bos=policy.add_bos, template=policy.template)
-    gen = ArithGen(seed=cfg.seed)
-    rng = random.Random(cfg.seed)
-    pool, seen = [], set()
-    while len(pool) < cfg.pool:
-        p = gen.sample(1, rng)[0]
-        if p.prompt not in seen:
-            seen.add(p.prompt)
-            pool.append(_problem(p.prompt[:-1], p.answer))
-    banned = seen | {p.prompt for p in test} | {p.prompt for p in hard}
-    noise = torch.Generator().manual_seed(cfg.seed * 7919 + 17)
-    st: D2EvoState
-    solver = Trainer(pol, gen, group_size=cfg.s_group, prompts_per_step=cfg.s_prompts, max_new_tokens=cfg.s_tokens,
-                     lr=cfg.lr, temperature=cfg.temperature, reward_fn=solver_reward(cfg.alpha),
-                     data_source=lambda it, B, r: _sample_from(st.buffer, B, r), seed=cfg.seed, progress=False)
-    questioner = None
-    if cfg.arm in ("random_anchors", "anchor_free", "d2evo"):
-        questioner = Trainer(pol, QuestionerTask(), group_size=cfg.q_group, prompts_per_step=cfg.q_prompts,
-                             max_new_tokens=cfg.q_tokens, lr=cfg.q_lr, temperature=cfg.temperature,
-                             reward_fn=lambda probs, texts: _questioner_reward(st, probs, texts),
-                             data_source=lambda it, B, r: _questioner_prompts(st, B, r), seed=cfg.seed + 50_000,
-                             progress=False)
-    st = D2EvoState(cfg=cfg, policy=pol, gen=gen, pool=pool, banned=banned, solver=solver, questioner=questioner,
-                    rng=rng, noise=noise, buffer=list(pool))
-    return st
-
-
-def _questioner_prompts(st: D2EvoState, B: int, rng: random.Random) -> list[Problem]:
-    """B Questioner prompts from the current anchors (anchor-free arm: the prompt keeps only the difficulty)."""
-    free = st.cfg.arm == "anchor_free"
-    out = []
-    for p, r in _sample_from(st.q_anchors, B, rng):
-        out.append(Problem(prompt=questioner_prompt(None if free else p.prompt, p.answer, difficulty_of(float(r))),
-                           answer="", solution="", meta=(("anchor", p.prompt),)))
-    return out
-
-
-def _questioner_reward(st: D2EvoState, problems: Sequence[Problem], texts: Sequence[str]) -> list[float]:
-    """The Trainer `reward_fn` of the Questioner: judge each output with N_v Solver rollouts, plateau reward on x."""
-    c = st.cfg
-    judged = judge_questions(st.policy, texts, n_v=c.n_v, generator=st.noise, banned=st.banned,
-                             anchors=[dict(p.meta)["anchor"] for p in problems], max_new_tokens=c.s_tokens,
-                             temperature=c.temperature)
-    r = questioner_rewards(judged, *c.tau, c.a)
-    lo, hi = c.tau
-    hit = judged.valid & judged.label.notna() & (judged.x >= lo - 1e-9) & (judged.x <= hi + 1e-9)
-    st.q_stats.append(dict(iteration=st.iteration + 1, valid=float(judged.valid.mean()), band_hit=float(hit.mean()),
-                           reward=float(r.mean()), label_error=float((judged.label != judged.truth)[judged.label.notna()].mean())
-                           if judged.label.notna().any() else float("nan")))
-    return r.tolist()
-
-# %% ../../nbs/rl/d2evo.ipynb #a8393741
-def d2evo_iteration(state: D2EvoState, cfg: D2EvoConfig | None = None) -> D2EvoState:
-    """One D²Evo iteration: re-measure Acc_S on R, keep the band as anchors, train the Questioner, build D_hybrid,
-    then `s_steps` Solver GRPO steps on it (the baselines skip the parts their arm lacks). Appends one log row."""
-    c, st = cfg or state.cfg, state
-    t0 = time.perf_counter()
-    row: dict[str, Any] = dict(arm=c.arm, verify=c.verify, seed=c.seed, iteration=st.iteration + 1)
-    if c.extra_random:
-        new = [p for p in st.gen.sample(c.extra_random[st.iteration] * 3 + 10, st.rng) if p.prompt not in st.banned]
-        new = list({p.prompt: p for p in new}.values())[: c.extra_random[st.iteration]]
-        st.banned |= {p.prompt for p in new}
-        st.pool += [_problem(p.prompt[:-1], p.answer, source="random") for p in new]
-    st.buffer, st.anchors, items, cand = list(st.pool), [], [], None
-    if c.arm != "grpo":
-        rates = pass_rates(st.policy, [p.prompt for p in st.pool], [p.answer for p in st.pool], c.n_difficulty,
-                           c.temperature, generator=st.noise, max_new_tokens=c.s_tokens)
-        idx, band = widen_band(rates, *c.band)
-        row.update(pool_rates=rates.round(4).tolist(), band_low=band[0], band_high=band[1], n_mid=int(idx.size),
-                   anchors_ran_out=bool(idx.size == 0))
-        if idx.size:
-            if c.arm == "random_anchors":
-                idx = np.array(sorted(st.rng.sample(range(len(st.pool)), int(idx.size))))
-            st.anchors = [st.pool[i] for i in idx]
-            row["anchor_rates"] = rates[idx].round(4).tolist()
-            st.buffer = list(st.anchors)
-            if st.questioner is not None:
-                pick = sorted(st.rng.sample(range(len(idx)), min(c.max_anchors, len(idx))))
-                st.q_anchors = [(st.anchors[i], float(rates[idx[i]])) for i in pick]
-                nq = len(st.q_stats)
-                qh = st.questioner.fit(c.q_steps).iloc[-c.q_steps:]
-                qs = pd.DataFrame(st.q_stats[nq:])
-                row.update(q_reward=float(qh.reward.mean()), q_entropy=float(qh.entropy.mean()),
-                           q_band_hit=float(qs.band_hit.mean()), q_valid=float(qs.valid.mean()))
-                items, cand = build_hybrid_buffer(
-                    st.policy, [a for a, _ in st.q_anchors], c.m_per_anchor, c.tau, c.verify,
-                    rates=[r for _, r in st.q_anchors], n_v=c.n_v, generator=st.noise, banned=st.banned,
-                    anchor_free=c.arm == "anchor_free", s_tokens=c.s_tokens, q_tokens=c.q_tokens, temperature=c.temperature)
-                st.banned |= {p.prompt for p in items}
-                st.buffer += items
-                cand["iteration"] = st.iteration + 1
-                st.candidates.append(cand)
-                lab = cand[cand.label.notna() & cand.valid]
-                row.update(n_candidates=len(cand), n_synthetic=len(items), keep_rate=float(cand.kept.mean()),
-                           label_error_all=float((lab.label != lab.truth).mean()) if len(lab) else float("nan"),
-                           label_error_kept=float(np.mean([p.answer != meta_of(p)["truth"] for p in items])) if items else float("nan"))
-    sh = st.solver.fit(c.s_steps).iloc[-c.s_steps:]
-    row.update(buffer=len(st.buffer), n_real=sum(meta_of(p).get("source") != "synthetic" for p in st.buffer),
-               n_synthetic=row.get("n_synthetic", 0), solver_steps=int(st.solver.opt_steps),
-               eff_group_ratio=float(sh.effective_group_ratio.mean()), s_entropy=float(sh.entropy.mean()),
-               s_reward=float(sh.reward.mean()), leaks=sum(p.prompt in st.test_prompts for p in items),
-               wall_s=round(time.perf_counter() - t0, 2))
-    st.iteration += 1
-    st.log.append(row)
-    return st
-
-
-def evaluate_solver(policy: Policy, gen: ArithGen, test: Sequence[Problem], hard: Sequence[Problem] = (), *,
-                    samples: int = 8, seed: int = 0, max_new_tokens: int = 8) -> dict:
-    """Greedy accuracy on the test and hard splits and the sampled mean@`samples` on the test split."""
-    out = {"test_greedy": evaluate(policy, gen, test, max_new_tokens=max_new_tokens)["eval_acc"]}
-    if hard:
-        out["hard_greedy"] = evaluate(policy, gen, hard, max_new_tokens=max_new_tokens)["eval_acc"]
-    if samples > 1:
-        out[f"test_mean{samples}"] = evaluate(policy, gen, test, samples=samples, max_new_tokens=max_new_tokens,
-                                               seed=seed)["eval_acc"]
-    return out
-
-
-def hard_split(n: int, base: ArithGen | None = None) -> list[Problem]:
-    """`n` held-out items one step harder than `base`'s family: a literal with one more digit, or one more operand."""
-    base = base or ArithGen()
-    hard = ArithGen(base.ops, digits=min(base.digits + 1, 4), n_operands=min(base.n_operands + 1, 4),
-                    min_operands=base.min_operands, seed=0)
-    harder = lambda p: (max(map(len, re.findall(r"\d+", p.prompt))) > base.digits
-                        or len(re.findall(r"\d+", p.prompt)) > base.n_operands)
-    out = [p for p in hard.heldout(4 * n + 40) if harder(p)]
-    if len(out) < n:
-        raise ValueError(f"n={n}: only {len(out)} hard items found")
-    return out[:n]
-
-
-def run_d2evo(cfg: D2EvoConfig, policy: Policy | None = None, *, test: Sequence[Problem] | None = None,
-              hard: Sequence[Problem] = (), eval_samples: int = 8, curve: bool = True,
-              return_state: bool = False) -> pd.DataFrame | tuple[pd.DataFrame, D2EvoState]:
-    """T iterations of one arm from the warm start; one row per iteration (test_greedy after each one when `curve`),
-    the last row also carrying the hard split and mean@k (and the final state when `return_state`). Deterministic
-    for `cfg.seed`."""
-    policy = policy if policy is not None else d2evo_policy()[0]
-    test = list(test) if test is not None else ArithGen().heldout(500)
-    st = init_state(cfg, policy, test=test, hard=hard)
-    st.test_prompts = {p.prompt for p in test} | {p.prompt for p in hard}
-    for t in range(cfg.iterations):
-        d2evo_iteration(st)
-        last = t == cfg.iterations - 1
-        if curve or last:
-            st.log[-1].update(evaluate_solver(st.policy, st.gen, test, hard if last else (),
-                                              samples=eval_samples if last else 1, seed=cfg.seed + 10_000,
-                                              max_new_tokens=cfg.s_tokens))
-    df = pd.DataFrame(st.log)
-    return (df, st) if return_state else df
-
-# %% ../../nbs/rl/d2evo.ipynb #427fd72b
-ARM_SPECS = {
-    "GRPO(R)": dict(arm="grpo"),
-    "GRPO(10R)": dict(arm="grpo", pool_mult=10),
-    "GRPO(R+random)": dict(arm="grpo", match="D²Evo"),
-    "w/o Questioner": dict(arm="no_questioner"),
-    "Random anchors": dict(arm="random_anchors"),
-    "Anchor-free Questioner": dict(arm="anchor_free"),
-    "D²Evo": dict(arm="d2evo", verify=False),
-    "D²Evo (verified)": dict(arm="d2evo", verify=True),
-    "D²Evo (τ 0.6–0.9)": dict(arm="d2evo", verify=False, tau=(0.6, 0.9)),
-}
-
-
-def arm_config(name: str, base: D2EvoConfig, seed: int, extra: Sequence[int] = ()) -> D2EvoConfig:
-    """The config of a named arm (`ARM_SPECS`) on top of `base`: same Solver budget, data and seed for every arm."""
-    if name not in ARM_SPECS:
-        raise ValueError(f"arm {name!r}: expected one of {list(ARM_SPECS)}")
-    spec = dict(ARM_SPECS[name])
-    kw = dict(arm=spec["arm"], verify=spec.get("verify", base.verify), seed=seed,
-              pool=base.pool * spec.get("pool_mult", 1))
-    kw.update({k: v for k, v in spec.items() if k in ("tau", "a", "band")})
-    if "match" in spec:
-        if len(extra) != base.iterations:
-            raise ValueError(f"{name}: needs the synthetic counts of {spec['match']!r} per iteration, got {list(extra)}")
-        kw["extra_random"] = tuple(int(e) for e in extra)
-    return replace(base, **kw)
-
-
-def run_arms(base: D2EvoConfig, arms: Sequence[str], seeds: Sequence[int], policy: Policy, *, test: Sequence[Problem],
-             hard: Sequence[Problem] = (), eval_samples: int = 8, progress: bool = False) -> tuple[pd.DataFrame, list]:
-    """Every arm on every seed (D²Evo first, so GRPO(R+random) adds as many random items as it kept): the per-iteration
-    log of all runs, and the final states (for the candidates and the widget)."""
-    order = sorted(arms, key=lambda a: (a != "D²Evo", list(ARM_SPECS).index(a) if a in ARM_SPECS else 99))
-    if "GRPO(R+random)" in arms and "D²Evo" not in arms:
-        raise ValueError("arms: GRPO(R+random) needs the D²Evo arm (it matches its synthetic-item counts)")
-    logs, states = [], []
-    for s in seeds:
-        extra: list[int] = []
-        for name in order:
-            t0 = time.perf_counter()
-            df, st = run_d2evo(arm_config(name, base, s, extra), policy, test=test, hard=hard, eval_samples=eval_samples,
-                               return_state=True)
-            if name == "D²Evo":
-                extra = df.n_synthetic.astype(int).tolist()
-            df.insert(0, "label", name)
-            logs.append(df)
-            states.append((name, s, st))
-            if progress:
-                print(f"seed {s} {name}: {time.perf_counter() - t0:.1f}s, test {df.test_greedy.iloc[-1]:.3f}", flush=True)
-    return pd.concat(logs, ignore_index=True), states
+# %% ../../nbs/rl/d2evo.ipynb #ba228b0d
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("FIXTURE", "SFT", "ARMS", "ARM_SPECS", "RoleMix",
+                                    "fixture_file", "d2evo_policy", "D2EvoConfig", "D2EvoState",
+                                    "init_state", "d2evo_iteration", "evaluate_solver",
+                                    "hard_split", "run_d2evo", "arm_config", "run_arms"),
+                          "kimi_papers.rl.d2evo_experiment")
