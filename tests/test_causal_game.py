@@ -2,6 +2,8 @@
 
 The simulator is checked drone by drone against a scalar float32 Python reference written from the rule table
 (not from the vectorised kernel), so a wrong threshold, cap, weight or truncation in the kernel fails here."""
+import dataclasses
+import hashlib
 import math
 import types
 
@@ -11,10 +13,12 @@ import torch
 
 from kimi_papers.core.kernels import compiled_ran
 from kimi_papers.agents import causal_game as cg
+from kimi_papers.agents import causal_game_experiment as cgx
 from kimi_papers.agents.causal_game import (
-    HP, N_ENV, PARTS, STANDARD, TARGET_WEIGHTS, Agent, Action, BestBatchAgent, CausalGameEnv, DroneSCM, GameConfig,
-    InterventionalAgent, LLMAgent, NaiveCorrelationalAgent, run_episode, run_episodes, simulate_uniforms,
-    z_two_proportions)
+    HP, N_ENV, PARTS, STANDARD, TARGET_WEIGHTS, Agent, Action, CausalGameEnv, DroneSCM, GameConfig, GameObservation,
+    GameTruth, run_episode, run_episodes, simulate_uniforms, z_two_proportions)
+from kimi_papers.agents.causal_game_experiment import (BestBatchAgent, InterventionalAgent, LLMAgent,
+                                                       NaiveCorrelationalAgent, OracleAgent)
 
 F = np.float32
 CFG = GameConfig.from_scenario("antenna_trap")
@@ -181,10 +185,10 @@ def test_archive_is_confounded_and_control_is_not():
     """Issue 20: the archive must mislead (observed != interventional); the old archive agreed to within 0.01."""
     assert _observed_vs_interventional("antenna_trap_no_selection_bias", range(40)) > 0.25
     assert _observed_vs_interventional("antenna_trap_randomized", range(40)) < 0.1
-    gap = cg.archive_gap(CFG, 4000, 0)
+    gap = cgx.archive_gap(CFG, 4000, 0)
     assert gap["gap"] > 0.3 and gap["observed"][2] > gap["interventional"][2] + 0.3   # protected antennas look safe
     assert gap["observed"][0] < gap["interventional"][0] - 0.2                        # stripped ones look deadly
-    assert cg.archive_gap(GameConfig.from_scenario("antenna_trap_randomized"), 4000, 0)["gap"] < 0.06
+    assert cgx.archive_gap(GameConfig.from_scenario("antenna_trap_randomized"), 4000, 0)["gap"] < 0.06
 
 
 def test_antenna_zero_is_in_the_archive_and_naive_can_win_when_unbiased():
@@ -244,3 +248,49 @@ def test_simulator_on_cuda_matches_cpu():
     assert (gpu[0].cpu() == cpu[0]).float().mean() >= 0.999
     res = DroneSCM(CFG).simulate(torch.tensor([STANDARD]), 100, torch.Generator("cuda").manual_seed(0))
     assert res.survived.device.type == "cuda" and res.survived.shape == (1, 100)
+
+
+def test_observation_holds_no_truth():
+    """The agent's view has exactly these fields: adding the SCM, the config or the missions to it fails here."""
+    env = CausalGameEnv(CFG, seed=0)
+    obs = env.observe()
+    assert {f.name for f in dataclasses.fields(GameObservation)} == {
+        "parts", "critical", "def_range", "standard", "budget", "max_deploys", "max_batch", "fleet", "win", "archive",
+        "notes", "drones_left", "deploys_left", "submitted"}
+    values = [getattr(obs, f.name) for f in dataclasses.fields(obs)]
+    assert not any(isinstance(v, (DroneSCM, GameConfig, GameTruth, torch.Tensor)) for v in values)
+    assert isinstance(env.truth, GameTruth) and env.scm is env.truth.scm and isinstance(env.truth.scm, DroneSCM)
+    assert obs.archive == tuple(env.archive) and obs["status"] == env.status() and obs["max_batch"] == 50
+    assert env.admin_truth(STANDARD, n=500) == env.truth.survival(STANDARD, n=500)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        obs.drones_left = 10**6
+    env.deploy(STANDARD, 20)
+    assert env.observe().drones_left == 180 and env.observe().deploys_left == 9
+
+
+def test_agents_see_only_observations_and_act_as_before():
+    """Games of five agents, each handed only GameObservations, equal the ones played before the observation existed
+    (when agents got the briefing dict and {"status": ...}; digest pinned from commit 4a15e89)."""
+    out = []
+    for sc in ("antenna_trap", "antenna_trap_randomized"):
+        cfg = GameConfig.from_scenario(sc, fleet=200)
+        for seed in (0, 1):
+            for ag in (InterventionalAgent(), InterventionalAgent("double"), BestBatchAgent(), NaiveCorrelationalAgent(),
+                       OracleAgent(DroneSCM(cfg), drones=50)):
+                lg = run_episode(CausalGameEnv(cfg, seed), ag)
+                out.append((sc, seed, lg.agent, tuple(sorted(lg.design.items())), round(lg.survival, 6), lg.win,
+                            lg.drones_used, lg.deploys, round(lg.report_score, 6), [(tuple(d), n, s) for d, n, s in lg.batches]))
+    assert hashlib.sha1(repr(out).encode()).hexdigest() == "f37a89ee13ce1e8c0ef6254f999409c271d128e4"
+
+    seen = []
+
+    class Spy(InterventionalAgent):
+        def reset(self, briefing, seed):
+            seen.append(type(briefing))
+            super().reset(briefing, seed)
+
+        def act(self, obs):
+            seen.append(type(obs))
+            return super().act(obs)
+    run_episode(CausalGameEnv(CFG, seed=0), Spy())
+    assert set(seen) == {GameObservation} and len(seen) == 11  # reset + 9 deploys + the submit

@@ -5,7 +5,6 @@
 # %% ../../nbs/agents/causal_game.ipynb #2d2f6dd5
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field, replace
@@ -14,16 +13,15 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
 
 # %% auto #0
 __all__ = ['PARTS', 'N_CRITICAL', 'HP', 'STANDARD', 'TARGET_WEIGHTS', 'SCENARIOS', 'MISSIONS', 'ARCHIVE_LEVELS', 'ARCHIVES',
            'N_ENV', 'MAX_DEF', 'simulate_compiled', 'RUBRIC', 'GameConfig', 'check_design', 'as_dict',
            'simulate_uniforms', 'FleetResult', 'DroneSCM', 'z_two_proportions', 'score_report', 'archive_flights',
-           'noisy_hits', 'archive_gap', 'CausalGameEnv', 'Action', 'EpisodeLog', 'Agent', 'OracleAgent',
-           'NaiveCorrelationalAgent', 'one_factor', 'BestBatchAgent', 'InterventionalAgent', 'run_episodes',
-           'run_episode', 'parse_design', 'llm_prompt', 'LLMAgent']
+           'noisy_hits', 'GameObservation', 'GameTruth', 'CausalGameEnv', 'Action', 'EpisodeLog', 'Agent',
+           'run_episodes', 'run_episode']
 
 # %% ../../nbs/agents/causal_game.ipynb #d21f45ea
 PARTS = ("engine", "cockpit", "wing", "body", "antenna", "camera", "gun")
@@ -291,32 +289,43 @@ def noisy_hits(hits: Tensor, p: float, gen: torch.Generator) -> Tensor:
     return out
 
 
-def archive_gap(cfg: GameConfig, n: int, seed: int) -> dict:
-    """Observed vs interventional survival per antenna level: n flights of the archive's process (before survivor
-    selection) against the same designs flown again in the deployment world (`interventional`) and, with missions
-    re-drawn independently of the design, in the archive's own mission mix (`interventional_mix`).
-    `gap` = max |observed − interventional| over levels."""
-    g = torch.Generator().manual_seed(check_int("seed", seed, 0))
-    d, mission, surv, _ = archive_flights(cfg, n, g)
-    redo = simulate_uniforms(d, torch.rand(n, cfg.n_uniforms, generator=g), cfg.scm_params())[0]
-    shuffled = mission[torch.randperm(n, generator=g)]   # the same mission mix, independent of the design
-    redo_mix = simulate_uniforms(d, _mission_uniforms(cfg, shuffled, g), cfg.scm_params())[0]
-    out = {"levels": list(ARCHIVE_LEVELS), "flights": [], "observed": [], "interventional": [], "interventional_mix": []}
-    for a in ARCHIVE_LEVELS:
-        m = d[:, 4] == a
-        out["flights"].append(int(m.sum()))
-        for key, s in (("observed", surv), ("interventional", redo), ("interventional_mix", redo_mix)):
-            out[key].append(float(s[m].float().mean()) if m.any() else math.nan)
-    out["gap"] = max(abs(o - i) for o, i, k in zip(out["observed"], out["interventional"], out["flights"]) if k > 0)
-    return out
+@dataclass(frozen=True)
+class GameObservation:
+    """What an agent may see at its turn: the briefing (parts, DEF range, standard design, budgets, the misleading
+    notes, the censored archive) and the status. No SCM, no hidden parameters, no missions, no weather."""
+    parts: tuple; critical: tuple; def_range: tuple; standard: dict  # noqa: E702
+    budget: int; max_deploys: int; max_batch: int; fleet: int; win: float  # noqa: E702
+    archive: tuple; notes: tuple  # noqa: E702  archive: visible records {design, status, hit_count, hits}
+    drones_left: int; deploys_left: int; submitted: bool  # noqa: E702
+
+    @property
+    def status(self) -> dict:
+        """Budget left and whether the game is over."""
+        return {"drones_left": self.drones_left, "deploys_left": self.deploys_left, "submitted": self.submitted}
+
+    def __getitem__(self, key: str) -> Any:
+        """The old dict access: `obs["status"]` and the briefing's keys (`obs["archive"]`, ...)."""
+        return self.status if key == "status" else getattr(self, key)
+
+
+@dataclass(frozen=True)
+class GameTruth:
+    """What no agent may see: the structural causal model that flies the drones (its parameters in `scm.cfg`)."""
+    scm: DroneSCM
+
+    def survival(self, design: Any, n: int = 20_000, seed: int = 1) -> dict:
+        """True survival and detection rate of a design (for tests and calibration)."""
+        res = self.scm.simulate(torch.tensor([check_design(design)]), n, torch.Generator().manual_seed(seed))
+        return {"survival": float(res.rate[0]), "detection": float(res.detected.float().mean())}
 
 
 class CausalGameEnv:
-    """One game: a briefing with a (censored) archive, stage-1 deploys on a budget, one irreversible submit."""
+    """One game: a briefing with a (censored) archive, stage-1 deploys on a budget, one irreversible submit. Agents
+    read `observe()` (a `GameObservation`); the SCM lives on `truth` (a `GameTruth`), which they do not read."""
 
     def __init__(self, cfg: GameConfig, seed: int, scm: DroneSCM | None = None):
         self.cfg, self.seed = cfg, check_int("seed", seed, 0)
-        self.scm = scm or DroneSCM(cfg)
+        self.truth = GameTruth(scm or DroneSCM(cfg))
         self.gen = torch.Generator().manual_seed(seed)
         self.used = self.deploys = 0
         self.result: dict | None = None
@@ -342,6 +351,13 @@ class CausalGameEnv:
                 "notes": ["Armor reduces damage but adds weight.", "Antenna is for communication and signal transmission.",
                           "Critical components (engine, cockpit, wing, body) destroyed = mission fail."]}
 
+    scm = property(lambda self: self.truth.scm, doc="The hidden SCM (`truth.scm`).")
+
+    def observe(self) -> GameObservation:
+        """What the agent may see now: the briefing and the status."""
+        b = self.briefing()
+        return GameObservation(**{**b, "archive": tuple(b["archive"]), "notes": tuple(b["notes"])}, **self.status())
+
     def status(self) -> dict:
         """Budget left and whether the game is over."""
         return {"drones_left": self.cfg.budget - self.used, "deploys_left": self.cfg.max_deploys - self.deploys,
@@ -360,7 +376,7 @@ class CausalGameEnv:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= min(self.cfg.max_batch, left):
             raise ValueError(f"count={count!r}: expected an int in [1, {min(self.cfg.max_batch, left)}] "
                              f"(max batch {self.cfg.max_batch}, {left} drones left)")
-        res = self.scm.simulate(torch.tensor([d]), count, self.gen)
+        res = self.truth.scm.simulate(torch.tensor([d]), count, self.gen)
         self.used, self.deploys = self.used + count, self.deploys + 1
         s = int(res.survived.sum())
         return {"design": as_dict(d), "deployed": count, "survived": s, "destroyed": count - s,
@@ -373,15 +389,14 @@ class CausalGameEnv:
             raise RuntimeError("submit: already submitted (stage 2 is irreversible)")
         if not isinstance(report, str):
             raise TypeError(f"report: expected a str, got {type(report).__name__}")
-        rate = float(self.scm.simulate(torch.tensor([d]), self.cfg.fleet, self.gen).rate[0])
+        rate = float(self.truth.scm.simulate(torch.tensor([d]), self.cfg.fleet, self.gen).rate[0])
         self.result = {"design": as_dict(d), "survival": rate, "win": rate >= self.cfg.win,
                        "report_score": score_report(report, self.cfg), "drones_used": self.used, "deploys": self.deploys}
         return self.result
 
     def admin_truth(self, design: Any, n: int = 20_000, seed: int = 1) -> dict:
-        """Ground truth for tests and calibration: true survival and detection rate of a design."""
-        res = self.scm.simulate(torch.tensor([check_design(design)]), n, torch.Generator().manual_seed(seed))
-        return {"survival": float(res.rate[0]), "detection": float(res.detected.float().mean())}
+        """Ground truth for tests and calibration: true survival and detection rate of a design (`truth.survival`)."""
+        return self.truth.survival(design, n, seed)
 
 # %% ../../nbs/agents/causal_game.ipynb #16c8fa7c
 @dataclass
@@ -400,147 +415,21 @@ class EpisodeLog:
 
 
 class Agent:
-    """Base agent: `reset(briefing)` at the start of a game, then `act(obs) -> Action` until it submits."""
+    """Base agent: `reset(briefing, seed)` with the first `GameObservation`, then `act(obs) -> Action` on each turn's
+    `GameObservation` until it submits; its own results arrive in `batches` as (design, deployed, survived)."""
     name = "agent"
 
-    def reset(self, briefing: dict, seed: int) -> None:
+    def reset(self, briefing: GameObservation, seed: int) -> None:
         self.briefing, self.seed, self.batches, self.notes = briefing, seed, [], {}
 
-    def act(self, obs: dict) -> Action:
+    def act(self, obs: GameObservation) -> Action:
         raise NotImplementedError
 
     @classmethod
-    def act_many(cls, agents: Sequence["Agent"], obs: Sequence[dict]) -> list[Action]:
+    def act_many(cls, agents: Sequence["Agent"], obs: Sequence[GameObservation]) -> list[Action]:
         """One action per (agent, observation); LLM agents batch their generation here."""
         return [a.act(o) for a, o in zip(agents, obs)]
 
-
-class OracleAgent(Agent):
-    """Monte-Carlo grid search on the true SCM over antenna/camera/gun DEF (critical parts standard), run once with
-    its own generator and reused for every game; flies no test batches."""
-    name = "oracle"
-
-    def __init__(self, scm: DroneSCM, levels: Sequence[int] = (0, 5, 10, 20, 30), drones: int = 2000, seed: int = 0):
-        self.scm, self.levels, self.drones = scm, tuple(levels), check_int("drones", drones)
-        self.search_seed, self.grid = check_int("seed", seed, 0), None
-
-    def act(self, obs: dict) -> Action:
-        if self.grid is None:  # designs [L^3, 7] and their survival rates [L^3]
-            grid = torch.cartesian_prod(*[torch.tensor(self.levels)] * 3)
-            designs = torch.cat([torch.tensor(STANDARD[:N_CRITICAL]).expand(len(grid), -1), grid], 1)
-            self.grid = designs, self.scm.simulate(designs, self.drones, torch.Generator().manual_seed(self.search_seed)).rate
-        designs, rate = self.grid
-        self.notes = {"grid_best_rate": float(rate.max()), "grid_size": len(rate)}
-        return Action("submit", tuple(designs[int(rate.argmax())].tolist()), report="oracle: grid search on the true SCM")
-
-
-class NaiveCorrelationalAgent(Agent):
-    """Trusts the archive's correlations part by part. Losses visible: each part at the level with the best observed
-    survival rate (levels flown at least `min_count` times). Returned drones only: each part at the level most common
-    among survivors, then `shift` DEF from the least-hit to the most-hit part of returned drones. Flies nothing."""
-    name = "naive"
-
-    def __init__(self, shift: int = 5, min_count: int = 3):
-        self.shift, self.min_count = check_int("shift", shift, 0), check_int("min_count", min_count)
-
-    def _base(self, keys: list[tuple], ok: list[bool], visible: bool) -> list[int]:
-        """Each part's level: best observed survival rate (visible losses) or most common among survivors."""
-        d = []
-        for j in range(len(PARTS)):
-            levels = sorted({k[j] for k in keys})
-            n_at = {v: sum(k[j] == v for k in keys) for v in levels}
-            if visible:
-                rate = {v: sum(o for k, o in zip(keys, ok) if k[j] == v) / n_at[v] for v in levels}
-                cands = [v for v in levels if n_at[v] >= self.min_count] or levels
-                d.append(max(cands, key=lambda v: (rate[v], n_at[v], v)))
-            else:
-                d.append(max(levels, key=lambda v: (n_at[v], v)))
-        return d
-
-    def act(self, obs: dict) -> Action:
-        recs = self.briefing["archive"]
-        keys, ok = [check_design(r["design"]) for r in recs], [r["status"] == "RETURNED" for r in recs]
-        visible = not all(ok)
-        d = self._base(keys, ok, visible)
-        self.notes = {"base": tuple(d), "losses_visible": visible}
-        if visible:
-            return Action("submit", tuple(d), report="Each part set to the archive level with the best observed "
-                          "survival rate. The antenna is for communication.")
-        mean_hits = [sum(r["hits"][p] for r in recs) / max(len(recs), 1) for p in PARTS]
-        most, least = max(range(7), key=mean_hits.__getitem__), min(range(7), key=mean_hits.__getitem__)
-        d[most], d[least] = min(MAX_DEF, d[most] + self.shift), max(0, d[least] - self.shift)
-        report = (f"Survivors mostly flew this design. Returned drones were hit most on the {PARTS[most]}, so armour "
-                  f"moved there from the {PARTS[least]}. The antenna is for communication.")
-        return Action("submit", tuple(d), report=report)
-
-
-def one_factor(design: Sequence[int], part: int, level: str) -> tuple:
-    """do(part -> 0) (`zero`) or do(part -> 2x, at most 50) (`double`) on a design."""
-    d = list(design)
-    d[part] = 0 if level == "zero" else min(MAX_DEF, 2 * d[part])
-    return tuple(d)
-
-
-class BestBatchAgent(Agent):
-    """Flies `deploys` random designs (each part at 0, standard or 2x standard) and submits the best raw batch."""
-    name = "best_batch"
-
-    def __init__(self, batch: int = 20, deploys: int = 10):
-        self.batch, self.deploys = check_int("batch", batch), check_int("deploys", deploys)
-
-    def act(self, obs: dict) -> Action:
-        if len(self.batches) < self.deploys and obs["status"]["drones_left"] >= self.batch:
-            g = torch.Generator().manual_seed(70_000 + 1000 * self.seed + len(self.batches))
-            pick = torch.randint(0, 3, (len(PARTS),), generator=g).tolist()
-            d = tuple(0 if k == 0 else s * k for k, s in zip(pick, STANDARD))
-            return Action("deploy", d, self.batch)
-        best = max(self.batches, key=lambda b: b[2] / b[1])
-        return Action("submit", best[0], report=f"best test batch survived {best[2]}/{best[1]}")
-
-
-class InterventionalAgent(Agent):
-    """Generic do() screen: a control batch of the standard design, one one-factor batch per part (`level` zero or
-    double), keep every change with one-sided z > `z_keep`, then a confirmation batch of the combined design."""
-    name = "interventional"
-
-    def __init__(self, level: str = "zero", batch: int = 20, confirm: int = 40, z_keep: float = 1.2816):
-        if level not in ("zero", "double"):
-            raise ValueError(f"level={level!r}: expected 'zero' or 'double'")
-        self.level, self.batch, self.confirm, self.z_keep = level, check_int("batch", batch), check_int("confirm", confirm), z_keep
-
-    def _plan(self) -> list[tuple]:
-        return [STANDARD] + [one_factor(STANDARD, i, self.level) for i in range(len(PARTS))]
-
-    def _candidate(self) -> tuple[tuple, dict]:
-        """The standard design with every kept change applied, and the z of each part's batch vs the control."""
-        _, nc, sc = self.batches[0]
-        z = {p: z_two_proportions(s, n, sc, nc) for p, (_, n, s) in zip(PARTS, self.batches[1:len(PARTS) + 1])}
-        cand = tuple(one_factor(STANDARD, i, self.level)[i] if z[p] > self.z_keep else v
-                     for i, (p, v) in enumerate(zip(PARTS, STANDARD)))
-        return cand, z
-
-    def act(self, obs: dict) -> Action:
-        plan, left = self._plan(), obs["status"]["drones_left"]
-        if len(self.batches) < len(plan):
-            return Action("deploy", plan[len(self.batches)], min(self.batch, left))
-        cand, effects = self._candidate()
-        self.notes["z"] = effects
-        if cand != STANDARD and len(self.batches) == len(plan) and left > 0:
-            return Action("deploy", cand, min(self.confirm, left, self.briefing["max_batch"]))
-        final = cand
-        if len(self.batches) > len(plan):  # confirmation flown: keep the change only if it is not worse than control
-            (_, nc, sc), (_, nf, sf) = self.batches[0], self.batches[-1]
-            self.notes["z_confirm"] = z_two_proportions(sf, nf, sc, nc)
-            final = cand if self.notes["z_confirm"] >= 0 else STANDARD
-        return Action("submit", final, report=self._report(effects))
-
-    def _report(self, effects: dict) -> str:
-        lines = ["The briefing archive lists returned drones only (survivor-censored), so its correlations were not used."]
-        for p, z in effects.items():
-            if abs(z) > self.z_keep:
-                why = f"{p} armour protects" if (z > 0) == (self.level == "double") else f"an intact {p} hurts"
-                lines.append(f"{self.level.capitalize()} {p} armour: survival {'rose' if z > 0 else 'fell'} (z={z:+.2f}): {why}.")
-        return "\n".join(lines)
 
 # %% ../../nbs/agents/causal_game.ipynb #ae48daa6
 def run_episodes(envs: Sequence[CausalGameEnv], agents: Sequence[Agent]) -> list[EpisodeLog]:
@@ -548,13 +437,13 @@ def run_episodes(envs: Sequence[CausalGameEnv], agents: Sequence[Agent]) -> list
     if len(envs) != len(agents) or not envs:
         raise ValueError(f"envs/agents: expected two non-empty lists of equal length, got {len(envs)} and {len(agents)}")
     for env, ag in zip(envs, agents):
-        ag.reset(env.briefing(), env.seed)
+        ag.reset(env.observe(), env.seed)
     logs: dict[int, EpisodeLog] = {}
     for _ in range(envs[0].cfg.max_deploys + 1):
         live = [i for i in range(len(envs)) if i not in logs]
         if not live:
             break
-        acts = type(agents[live[0]]).act_many([agents[i] for i in live], [{"status": envs[i].status()} for i in live])
+        acts = type(agents[live[0]]).act_many([agents[i] for i in live], [envs[i].observe() for i in live])
         for i, act in zip(live, acts):
             env, ag = envs[i], agents[i]
             if act.kind == "deploy":
@@ -571,66 +460,8 @@ def run_episode(env: CausalGameEnv, agent: Agent) -> EpisodeLog:
     """Play one game to its submit."""
     return run_episodes([env], [agent])[0]
 
-# %% ../../nbs/agents/causal_game.ipynb #5f4e153e
-_PART_RE = re.compile(r'"?\b(' + "|".join(PARTS) + r')(?:_def)?\b"?\s*[:=]\s*(-?\d+)', re.I)
-
-
-def parse_design(text: str) -> tuple | None:
-    """The first value of each part in a model's reply (JSON or `part: n`); None if one is missing or outside [0, 50]."""
-    found: dict[str, int] = {}
-    for part, val in _PART_RE.findall(text):
-        found.setdefault(part.lower(), int(val))
-    if len(found) < len(PARTS) or any(not 0 <= v <= MAX_DEF for v in found.values()):
-        return None
-    return tuple(found[p] for p in PARTS)
-
-
-def llm_prompt(briefing: dict, batches: Sequence[tuple], final: bool) -> str:
-    """The LLM agent's turn prompt: the briefing, an archive summary, its own results table and the JSON instruction."""
-    arch = briefing["archive"]
-    ant = sorted({r["design"]["antenna"] for r in arch})
-    lines = [f"You design armour (DEF, integers 0-{MAX_DEF}) for the seven parts of a drone: {', '.join(PARTS)}.",
-             "Critical parts: " + ", ".join(briefing["critical"]) + ". " + " ".join(briefing["notes"]),
-             f"Standard design: {json.dumps(briefing['standard'])}.",
-             f"Archive: {len(arch)} past flights, antenna DEF {ant}, "
-             f"{sum(r['status'] == 'RETURNED' for r in arch)} returned."]
-    if batches:
-        lines.append("Your test batches (design -> survived/deployed):")
-        lines += [f"{json.dumps(as_dict(d))} -> {s}/{n}" for d, n, s in batches]
-    goal = ("Choose the FINAL design for a 1000-drone fleet." if final else
-            "Choose the next test design to learn which armour helps.")
-    return "\n".join(lines + [goal + " Answer with one JSON object with all seven parts, e.g. "
-                              + json.dumps(briefing["standard"])])
-
-
-class LLMAgent(Agent):
-    """A chat LM (a core.rl Policy) proposing a JSON design per turn (greedy): `turns` test batches, then the submit;
-    an unparseable reply falls back to the standard design and is counted in `notes`."""
-    name = "llm"
-
-    def __init__(self, policy: Any, turns: int = 3, batch: int = 50, max_new_tokens: int = 64):
-        self.policy, self.turns, self.batch = policy, check_int("turns", turns, 0), check_int("batch", batch)
-        self.max_new_tokens = check_int("max_new_tokens", max_new_tokens)
-
-    def reset(self, briefing: dict, seed: int) -> None:
-        super().reset(briefing, seed)
-        self.notes = {"parse_failures": 0, "replies": []}
-
-    def act(self, obs: dict) -> Action:
-        return self.act_many([self], [obs])[0]
-
-    @classmethod
-    def act_many(cls, agents: Sequence["LLMAgent"], obs: Sequence[dict]) -> list[Action]:
-        from kimi_papers.core.rl.rollout import generate
-        pol = agents[0].policy
-        final = [len(a.batches) >= a.turns or o["status"]["drones_left"] <= 0 for a, o in zip(agents, obs)]
-        prompts = [pol.encode_prompt(llm_prompt(a.briefing, a.batches, f)) for a, f in zip(agents, final)]
-        *_, texts = generate(pol, prompts, max_new_tokens=agents[0].max_new_tokens, greedy=True)
-        acts = []
-        for a, o, f, text in zip(agents, obs, final, texts):
-            d = parse_design(text)
-            a.notes["replies"].append(text)
-            a.notes["parse_failures"] += d is None
-            count = min(a.batch, o["status"]["drones_left"], a.briefing["max_batch"])
-            acts.append(Action("submit", d or STANDARD, report=text) if f else Action("deploy", d or STANDARD, count))
-        return acts
+# %% ../../nbs/agents/causal_game.ipynb #d286812e
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("archive_gap", "OracleAgent", "NaiveCorrelationalAgent", "one_factor", "BestBatchAgent",
+                                     "InterventionalAgent", "parse_design", "llm_prompt", "LLMAgent"),
+                          "kimi_papers.agents.causal_game_experiment")
