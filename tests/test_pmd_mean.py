@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kimi_papers.core.rl import ADVANTAGES, LOSSES, RolloutBatch, aggregate
-from kimi_papers.rl.pmd_mean import (PMD_MODES, bandit_experiment, matched_progress_std, pmd_advantages, pmd_loss,
-                                     pmd_trainer_kwargs, tune_grid)
+from kimi_papers.rl.pmd_mean import PMD_MODES, pmd_advantages, pmd_loss, pmd_trainer_kwargs
+from kimi_papers.rl.pmd_mean_experiment import bandit_experiment, matched_progress_std, tune_grid
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -143,3 +143,12 @@ def test_trainer_step_on_cuda(arm):
     hist = Trainer(policy, task, group_size=4, max_new_tokens=6, progress=False,
                    **pmd_trainer_kwargs(arm, staleness=2, prompts=2, tau=0.1)).fit(1)
     assert np.isfinite(hist.loss).all()
+
+
+def test_moved_names_still_resolve():
+    import kimi_papers.rl.pmd_mean as m
+    import kimi_papers.rl.pmd_mean_experiment as e
+    with pytest.warns(DeprecationWarning, match="pmd_mean_experiment"):
+        assert m.tune_grid is e.tune_grid and m.bandit_experiment is e.bandit_experiment
+    with pytest.raises(AttributeError):
+        m.not_a_name

@@ -5,23 +5,21 @@
 # %% ../../nbs/rl/pmd_mean.ipynb #07805a36
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import numpy as np
-import pandas as pd
 import torch
 from scipy.optimize import brentq, minimize
 from torch import Tensor
 
+from ..core.config import moved_names
+
 # %% auto #0
 __all__ = ['PMD_MODES', 'LONE_RULES', 'PMD_AGGS', 'log_lambertw_exp', 'kl_pmd_population', 'pmd_mean_population',
            'regression_objective', 'mixed_objective', 'regression_optimum_numeric', 'mixed_optimum_numeric',
-           'binary_grid', 'pmd_advantages', 'pmd_seq_terms', 'pmd_loss', 'bandit_experiment', 'pmd_mean_advantage',
-           'pmd_partition_advantage', 'pmd_mean_loss', 'pmd_trainer_kwargs', 'run_pmd_experiment', 'summarize_runs',
-           'tune_grid', 'first_reach', 'matched_progress_std']
+           'pmd_advantages', 'pmd_seq_terms', 'pmd_loss', 'pmd_mean_advantage', 'pmd_partition_advantage',
+           'pmd_mean_loss', 'pmd_trainer_kwargs']
 
 # %% ../../nbs/rl/pmd_mean.ipynb #ca47dd43
 def log_lambertw_exp(x: np.ndarray | float, iters: int = 100) -> np.ndarray:
@@ -151,21 +149,6 @@ def mixed_optimum_numeric(pi_old: Any, r: Any, tau: float, c: float) -> np.ndarr
 
     return _softmax_fit(fg, lp_old.copy())
 
-# %% ../../nbs/rl/pmd_mean.ipynb #7d561e46
-def binary_grid(ps: Sequence[float], taus: Sequence[float]) -> pd.DataFrame:
-    """New success probability of PMD-mean and KL-PMD for a binary reward: one DataFrame row per (τ, p)."""
-    rows = []
-    for tau in taus:
-        for p in ps:
-            if not 0 < p < 1:
-                raise ValueError(f"ps: expected probabilities strictly inside (0, 1), got {p}")
-            pi_old, r = np.array([p, 1 - p]), np.array([1.0, 0.0])
-            pm, c = pmd_mean_population(pi_old, r, tau)
-            pk = kl_pmd_population(pi_old, r, tau)[0]
-            chi2 = pm[0] ** 2 / p + pm[1] ** 2 / (1 - p) - 1
-            rows.append(dict(tau=tau, p=p, p_mean=pm[0], p_kl=pk, ratio=pm[0] / pk, c=c, chi2=chi2))
-    return pd.DataFrame(rows)
-
 # %% ../../nbs/rl/pmd_mean.ipynb #62b61e21
 PMD_MODES = ("mean_loo", "mean", "partition_loo")
 LONE_RULES = ("reward", "zero")
@@ -278,58 +261,8 @@ def pmd_loss(logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor, tau: flo
                    "pmd/log_ratio": float(delta.mean()) if delta.numel() else 0.0}
     return loss, metrics
 
-# %% ../../nbs/rl/pmd_mean.ipynb #dcc1d6d4
-def _bandit_grad(theta: Tensor, y: Tensor, adv: Tensor, lp_old: Tensor, tau: float) -> Tensor:
-    """∂/∂θ [rows, K] of each row's PMD loss mean_g (τ/2)(A/τ − Δ)² for logits θ [rows, K], one-token responses y, A, old log-probs [rows, G]."""
-    lp = torch.log_softmax(theta, -1)
-    g = -(adv - tau * (lp.gather(1, y) - lp_old)) / y.shape[1]  # ∂L/∂log π(y_i)
-    onehot = torch.zeros_like(theta).scatter_add_(1, y, g)
-    return onehot - lp.exp() * g.sum(1, keepdim=True)
-
-
-def bandit_experiment(modes: Sequence[str] = ("mean_loo", "partition_loo"), *, arms: int = 64, group: int = 4,
-                      iters: int = 300, seeds: Sequence[int] = tuple(range(20)), fit_steps: int = 20,
-                      tau: float = 0.01, lr: float = 0.1, betas: tuple[float, float] = (0.9, 0.999),
-                      eps: float = 1e-8, device: str | torch.device = "cpu") -> pd.DataFrame:
-    """π(correct arm) per iteration for PMD fits with each baseline `mode` on a 1-correct-arm bandit (float64 on `device`).
-
-    Returns a long DataFrame with columns mode, seed, iter, p_correct; the seeds' noise is drawn on the CPU, so any device gives the same draws."""
-    for name, v, lo in (("arms", arms, 2), ("group", group, 2), ("iters", iters, 1), ("fit_steps", fit_steps, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise ValueError(f"{name}={v!r}: expected an int >= {lo}")
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise ValueError(f"seeds: expected distinct seeds, got {seeds!r}")
-    bad = [m for m in modes if m not in PMD_MODES]
-    if not modes or bad:
-        raise ValueError(f"modes: expected a non-empty subset of {PMD_MODES}, got {modes!r}")
-    S, M = len(seeds), len(modes)
-    noise = torch.stack([torch.rand(iters, group, generator=torch.Generator().manual_seed(int(s)), dtype=torch.float64)
-                         for s in seeds]).repeat(M, 1, 1).to(device)  # [M*S, iters, G], row = (mode, seed)
-    uid = torch.arange(M * S, device=noise.device).repeat_interleave(group)
-    theta = torch.zeros(M * S, arms, dtype=torch.float64, device=noise.device)
-    hist = torch.empty(iters, M * S, dtype=torch.float64, device=noise.device)
-    for it in range(iters):
-        lp_old = torch.log_softmax(theta, -1)
-        cdf = lp_old.exp().cumsum(-1)
-        y = torch.searchsorted(cdf, noise[:, it] * cdf[:, -1:]).clamp_max(arms - 1)  # arm 0 is correct
-        r = (y == 0).double().reshape(-1)
-        adv = torch.cat([pmd_advantages(r[k * S * group:(k + 1) * S * group], uid[:S * group], tau, mode)
-                         for k, mode in enumerate(modes)]).reshape(M * S, group)
-        old = lp_old.gather(1, y)
-        th, m, v = theta.clone(), torch.zeros_like(theta), torch.zeros_like(theta)
-        for k in range(1, fit_steps + 1):  # Adam, fresh state per regression
-            grad = _bandit_grad(th, y, adv, old, tau)
-            m.mul_(betas[0]).add_(grad, alpha=1 - betas[0])
-            v.mul_(betas[1]).addcmul_(grad, grad, value=1 - betas[1])
-            th -= lr * (m / (1 - betas[0] ** k)) / ((v / (1 - betas[1] ** k)).sqrt() + eps)
-        theta = th
-        hist[it] = torch.softmax(theta, -1)[:, 0]
-    idx = pd.MultiIndex.from_product([list(modes), [int(s) for s in seeds]], names=["mode", "seed"])
-    df = pd.DataFrame(hist.cpu().numpy(), columns=idx, index=pd.RangeIndex(1, iters + 1, name="iter"))
-    return df.stack(["mode", "seed"], future_stack=True).rename("p_correct").reset_index()[["mode", "seed", "iter", "p_correct"]]
-
 # %% ../../nbs/rl/pmd_mean.ipynb #beb0cfed
-from ..core.rl import LossTerms, RolloutBatch, Trainer, evaluate, register_advantage, register_loss
+from ..core.rl import LossTerms, RolloutBatch, register_advantage, register_loss
 
 # %% ../../nbs/rl/pmd_mean.ipynb #5b66373a
 def _per_token(a: Tensor, batch: RolloutBatch) -> Tensor:
@@ -370,89 +303,7 @@ def pmd_trainer_kwargs(arm: str, *, staleness: int, prompts: int, tau: float | N
     _check_tau(tau)
     return dict(kw, loss="pmd_mean", advantage=arm, agg="seq-mean-token-mean", loss_cfg={"tau": tau}, adv_cfg={"tau": tau})
 
-# %% ../../nbs/rl/pmd_mean.ipynb #395c52e3
-def run_pmd_experiment(policy: Any, task: Any, arms: dict[str, dict], seeds: Sequence[int], *, steps: int,
-                       eval_problems: Sequence[Any], eval_every: int, group_size: int = 8, max_new_tokens: int = 6,
-                       temperature: float = 1.0) -> pd.DataFrame:
-    """Train every arm (Trainer kwargs) for `steps` optimizer steps per seed on the policy's device; one DataFrame row per evaluation point."""
-    if not arms or not seeds:
-        raise ValueError("arms/seeds: expected at least one arm and one seed")
-    if not isinstance(steps, int) or steps < 1 or not isinstance(eval_every, int) or eval_every < 1:
-        raise ValueError(f"steps={steps!r}, eval_every={eval_every!r}: expected ints >= 1")
-    ev = lambda tr: evaluate(tr.policy, task, eval_problems, max_new_tokens=max_new_tokens)
-    base = evaluate(policy, task, eval_problems, max_new_tokens=max_new_tokens)["eval_acc"]
-    rows = []
-    for name, kw in arms.items():
-        S = kw.get("staleness", 1)
-        if steps % S or eval_every % S:
-            raise ValueError(f"arms[{name!r}]: steps={steps} and eval_every={eval_every} must be multiples of staleness {S}")
-        for s in seeds:
-            pol = replace(policy, model=copy.deepcopy(policy.model))
-            tr = Trainer(pol, task, group_size=group_size, max_new_tokens=max_new_tokens, temperature=temperature,
-                         seed=int(s), eval_fn=ev, eval_every=eval_every // S, progress=False, **kw)
-            hist = tr.fit(steps // S)
-            rows.append(dict(arm=name, seed=int(s), opt_steps=0, eval_acc=base, kl_old_new=0.0, kl_old_new_max=0.0,
-                             rollouts=0, rollout_batches=0, tokens=0, wall_s=0.0, train_reward=float("nan"),
-                             train_loss=float("nan")))
-            for _, h in hist[hist["eval_acc"].notna()].iterrows():
-                win = hist.iloc[: h.name + 1].tail(eval_every // S)  # the iterations since the last evaluation
-                rows.append(dict(arm=name, seed=int(s), opt_steps=int(h.opt_steps), eval_acc=float(h.eval_acc),
-                                 kl_old_new=float(win.kl_old_new.mean()), kl_old_new_max=float(win.kl_old_new_max.max()),
-                                 rollouts=int(h.rollouts), rollout_batches=int(h.iteration) + 1, tokens=int(h.tokens),
-                                 wall_s=float(h.wall_s), train_reward=float(win.reward.mean()), train_loss=float(win.loss.mean())))
-    return pd.DataFrame(rows)
-
-
-def summarize_runs(curves: pd.DataFrame) -> pd.DataFrame:
-    """Per (arm, seed): final accuracy, gain over the base model, max drawdown, mean KL, rollouts, wall-clock."""
-    def one(d: pd.DataFrame) -> pd.Series:
-        d = d.sort_values("opt_steps")
-        acc = d.eval_acc.values
-        last = d.iloc[-1]
-        return pd.Series(dict(final_acc=acc[-1], gain=acc[-1] - acc[0], best_acc=acc.max(),
-                              max_drawdown=float((np.maximum.accumulate(acc) - acc).max()),
-                              mean_kl_old_new=float(d.kl_old_new.iloc[1:].mean()), rollouts=int(last.rollouts),
-                              rollout_batches=int(last.rollout_batches), opt_steps=int(last.opt_steps), wall_s=last.wall_s))
-    return curves.groupby(["arm", "seed"]).apply(one, include_groups=False).reset_index()
-
-# %% ../../nbs/rl/pmd_mean.ipynb #f145ddd6
-def tune_grid(score: Callable[[float], float], grid: Sequence[float], *, factor: float = math.sqrt(10),
-              max_extend: int = 2) -> tuple[float, pd.DataFrame]:
-    """Best value of `grid` by `score` (higher wins, ties to the smaller value); a best at an edge extends the grid.
-
-    While the best value is the smallest (largest) one tried, `value / factor` (`value * factor`) is scored too, at most
-    `max_extend` times; returns the best value and every (value, score, extension, chosen) row."""
-    vals = sorted(float(v) for v in grid)
-    if not vals or len(set(vals)) != len(vals) or min(vals) <= 0:
-        raise ValueError(f"grid: expected distinct positive values, got {grid!r}")
-    if not factor > 1 or not isinstance(max_extend, int) or max_extend < 0:
-        raise ValueError(f"factor={factor!r}, max_extend={max_extend!r}: expected factor > 1 and an int >= 0")
-    scores, extension = {v: float(score(v)) for v in vals}, {v: 0 for v in vals}
-    best = lambda: max(scores, key=lambda v: (scores[v], -v))
-    for k in range(1, max_extend + 1):
-        b, lo, hi = best(), min(scores), max(scores)
-        if len(scores) < 2 or lo < b < hi:
-            break
-        new = b / factor if b == lo else b * factor
-        scores[new], extension[new] = float(score(new)), k
-    b = best()
-    rows = [dict(value=v, score=scores[v], extension=extension[v], chosen=v == b) for v in sorted(scores)]
-    return b, pd.DataFrame(rows)
-
-
-def first_reach(curve: np.ndarray, level: float) -> int:
-    """Index of the first entry of a 1-D `curve` [iters] that is >= `level` (the last index if none is)."""
-    hit = np.nonzero(np.asarray(curve) >= level)[0]
-    return int(hit[0]) if hit.size else len(curve) - 1
-
-
-def matched_progress_std(a: np.ndarray, b: np.ndarray, level: float | None = None) -> dict[str, float]:
-    """Across-seed std of two arms' curves a, b [seeds, iters] where each arm's mean curve first reaches `level`.
-
-    By default the level is the lower of the two final means: the arm that ends higher is read where it first got there."""
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or min(a.shape[0], b.shape[0]) < 2:
-        raise ValueError(f"a/b: expected [seeds >= 2, iters] curves with equal iters, got {a.shape} and {b.shape}")
-    level = min(a[:, -1].mean(), b[:, -1].mean()) if level is None else float(level)
-    ia, ib = first_reach(a.mean(0), level), first_reach(b.mean(0), level)
-    return dict(level=float(level), iter_a=ia, iter_b=ib, std_a=float(a[:, ia].std(ddof=1)), std_b=float(b[:, ib].std(ddof=1)))
+# %% ../../nbs/rl/pmd_mean.ipynb #b7d3e0f5
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("binary_grid", "bandit_experiment", "run_pmd_experiment", "summarize_runs",
+                                     "tune_grid", "first_reach", "matched_progress_std"), "kimi_papers.rl.pmd_mean_experiment")
