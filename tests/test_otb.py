@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from kimi_papers.core.rl import ADVANTAGES, RolloutBatch, Trainer, generate, tiny_policy
-from kimi_papers.rl.optimal_token_baseline import (ChainSumTask, OTBRun, bandit_expected_gradients, empirical_grad_variance,
-                                                   logit_grad_energy, otb_advantages, otb_advantages_reference,
-                                                   otb_multiturn_advantages, outcome_token_rewards, realized_energy,
-                                                   run_otb, sum_pi_squared, token_grad_energies, variance_proxy_metrics)
+from kimi_papers.rl.optimal_token_baseline import (empirical_grad_variance, logit_grad_energy, otb_advantages,
+                                                   otb_advantages_reference, otb_multiturn_advantages,
+                                                   outcome_token_rewards, realized_energy, sum_pi_squared,
+                                                   token_grad_energies, variance_proxy_metrics)
+from kimi_papers.rl.optimal_token_baseline_experiment import ChainSumTask, OTBRun, bandit_expected_gradients, run_otb
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                                   reason="needs a CUDA GPU")])]

@@ -5,11 +5,7 @@
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #8c0b0e1d
 from __future__ import annotations
 
-import copy
 import math
-import random
-import time
-from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -17,18 +13,17 @@ import pandas as pd
 import torch
 from torch import Tensor
 
+from ..core.config import moved_names
 from ..core.kernels import compile_fn
 from ..core.token_stats import token_stats, token_stats_from_logits
-from ..core.rl import (ADVANTAGES, HiddenStates, Policy, Problem, RolloutBatch, Task, Trainer, aggregate,
-                                 flat_grad, position_ids,
-                                 generate, register_advantage, sequence_stats, tiny_policy)
+from ..core.rl import (ADVANTAGES, HiddenStates, Policy, Problem, RolloutBatch, Task, aggregate, flat_grad,
+                                 generate, position_ids, register_advantage, sequence_stats)
 
 # %% auto #0
-__all__ = ['group_baseline_compiled', 'sum_pi_squared', 'logit_grad_energy', 'logit_grad_energy_autograd', 'ChainSumTask',
-           'token_grad_energies', 'spearman', 'dense_groups', 'returns_to_go', 'realized_energy', 'otb_advantages',
-           'otb_multiturn_advantages', 'otb_advantages_reference', 'variance_proxy_metrics', 'outcome_token_rewards',
-           'otb_advantage', 'noise_to_signal', 'empirical_grad_variance', 'OTBRun', 'run_otb',
-           'bandit_expected_gradients']
+__all__ = ['group_baseline_compiled', 'sum_pi_squared', 'logit_grad_energy', 'logit_grad_energy_autograd', 'token_grad_energies',
+           'spearman', 'dense_groups', 'returns_to_go', 'realized_energy', 'otb_advantages', 'otb_multiturn_advantages',
+           'otb_advantages_reference', 'variance_proxy_metrics', 'outcome_token_rewards', 'otb_advantage',
+           'noise_to_signal', 'empirical_grad_variance']
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #13e046f7
 def sum_pi_squared(logits: Tensor) -> Tensor:
@@ -72,43 +67,6 @@ def logit_grad_energy_autograd(logits: Tensor, targets: Tensor) -> Tensor:
     logp = torch.log_softmax(z, dim=-1).gather(-1, targets[:, None]).sum()
     (g,) = torch.autograd.grad(logp, z)
     return g.pow(2).sum(-1)
-
-# %% ../../nbs/rl/optimal_token_baseline.ipynb #a0c4414a
-class ChainSumTask(Task):
-    """Add k one-digit numbers, writing each running sum `a+b=c;` and then `ANS total`; reward 1 iff total is exact."""
-    alphabet = "0123456789+=;ANS "
-
-    def __init__(self, kmin: int = 2, kmax: int = 10, heldout_frac: float = 0.1):
-        if not isinstance(kmin, int) or not isinstance(kmax, int) or not 2 <= kmin <= kmax <= 30:
-            raise ValueError(f"kmin={kmin!r}, kmax={kmax!r}: expected ints with 2 <= kmin <= kmax <= 30")
-        if not 0 < heldout_frac < 1:
-            raise ValueError(f"heldout_frac={heldout_frac!r}: expected a number in (0, 1)")
-        self.kmin, self.kmax, self.heldout_frac = kmin, kmax, heldout_frac
-        self.name = f"chainsum{kmin}-{kmax}"
-
-    def make(self, rng: random.Random) -> Problem:
-        k = rng.randint(self.kmin, self.kmax)
-        return self.make_from([rng.randint(0, 9) for _ in range(k)])
-
-    def make_from(self, nums: Sequence[int]) -> Problem:
-        """The problem for a given list of one-digit numbers."""
-        if not self.kmin <= len(nums) <= self.kmax or any(not (isinstance(x, int) and 0 <= x <= 9) for x in nums):
-            raise ValueError(f"nums={list(nums)!r}: expected {self.kmin}..{self.kmax} ints in [0, 9]")
-        total, steps = nums[0], []
-        for x in nums[1:]:
-            steps.append(f"{total}+{x}={total + x};")
-            total += x
-        return Problem(prompt="+".join(map(str, nums)) + "=", answer=str(total),
-                       solution="".join(steps) + f"ANS {total}", meta=(len(nums),))
-
-    def verify(self, problem: Problem, response: str) -> bool:
-        if "ANS " not in response:
-            return False
-        return response.rsplit("ANS ", 1)[1].strip() == problem.answer
-
-    def max_response_len(self) -> int:
-        """Characters of the longest reference solution (k = kmax, all nines)."""
-        return len(self.make_from([9] * self.kmax).solution)
 
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #ae407fd7
 def token_grad_energies(policy: Policy, input_ids: Tensor, attn_mask: Tensor, resp_mask: Tensor,
@@ -460,111 +418,10 @@ def empirical_grad_variance(policy: Policy, task: Task, estimators: Mapping[str,
                      "reward_mean": float(np.mean(rew_means)), "len_std": float(np.mean(len_stds))})
     return pd.DataFrame(rows)
 
-# %% ../../nbs/rl/optimal_token_baseline.ipynb #4b38c994
-@dataclass
-class OTBRun:
-    """One training comparison: arms (name -> (advantage, group size)), seeds and the shared trainer knobs."""
-    arms: Mapping[str, tuple[str, int]]
-    seeds: Sequence[int]
-    steps: int
-    prompts_per_step: int = 16
-    lr: float = 2e-4
-    max_new_tokens: int = 96
-    eval_n: int = 300
-    eval_points: int = 4
-    zero_tail: bool = True
-    snapshot_arm: str | None = None      # keep weights of this arm (first seed) at `snapshot_at` iterations
-    snapshot_at: Sequence[int] = ()
-    trainer_kw: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if not self.arms or not self.seeds:
-            raise ValueError("arms/seeds: expected at least one arm and one seed")
-        for name, (adv, n) in self.arms.items():
-            if adv not in ADVANTAGES:
-                raise ValueError(f"arms[{name!r}]: advantage {adv!r} is not registered; expected one of {sorted(ADVANTAGES)}")
-            if not isinstance(n, int) or n < 2:
-                raise ValueError(f"arms[{name!r}]: group size {n!r}, expected an int >= 2")
-        if not isinstance(self.steps, int) or self.steps < 1 or not 1 <= self.eval_points <= self.steps:
-            raise ValueError(f"steps={self.steps!r}, eval_points={self.eval_points!r}: expected 1 <= eval_points <= steps")
-        if self.snapshot_arm is not None and self.snapshot_arm not in self.arms:
-            raise ValueError(f"snapshot_arm={self.snapshot_arm!r}: expected one of {list(self.arms)}")
-
-
-def _trio(batch: RolloutBatch, grad_norm: float) -> dict[str, float]:
-    """verl's variance-proxy trio of a trained rollout batch (Python floats)."""
-    m = batch.resp_mask.bool()
-    e = logit_grad_energy(batch.old_logp * m, torch.where(m, batch.sum_pi2, torch.ones_like(batch.sum_pi2)))
-    vm = variance_proxy_metrics(batch.adv, m.float(), e.float(), grad_norm=grad_norm)
-    return {"vp_signal": vm["signal"], "vp_total_power": vm["total_power"], "vp_noise": vm["noise"]}
-
-
-def run_otb(cfg: OTBRun, task: Task, init: Policy, snapshots: dict | None = None,
-            progress: bool = False) -> pd.DataFrame:
-    """Train every (arm, seed) from the same initial policy (on its device); one metrics row per iteration, eval columns at eval points."""
-    evals = {round(cfg.steps * (j + 1) / cfg.eval_points) for j in range(cfg.eval_points)}
-    heldout = task.heldout(cfg.eval_n)
-    rows = []
-    for seed in cfg.seeds:
-        for arm, (adv, n) in cfg.arms.items():
-            pol = replace(init, model=copy.deepcopy(init.model))
-            tr = Trainer(pol, task, loss="grpo", advantage=adv, group_size=n, prompts_per_step=cfg.prompts_per_step,
-                         staleness=1, lr=cfg.lr, max_new_tokens=cfg.max_new_tokens, eval_problems=cfg.eval_n,
-                         adv_cfg={"zero_tail": cfg.zero_tail} if adv == "otb" else {}, seed=seed, progress=False,
-                         **cfg.trainer_kw)
-            for it in range(1, cfg.steps + 1):
-                row = tr.step()
-                row.update(_trio(tr.last_batch, row["grad_norm"]), arm=arm, seed=seed, advantage=adv, group_size=n,
-                           iteration=it)
-                if it in evals:
-                    row.update(tr.evaluate(heldout))
-                if snapshots is not None and arm == cfg.snapshot_arm and seed == cfg.seeds[0] and it in cfg.snapshot_at:
-                    snapshots[it] = {k: v.detach().clone() for k, v in pol.model.state_dict().items()}
-                rows.append(row)
-            if progress:
-                last = rows[-1]
-                print(f"seed {seed} {arm:>9}: eval_acc {last.get('eval_acc', float('nan')):.3f}, "
-                      f"tokens {last['tokens']}, {last['wall_s']:.1f} s")
-    return pd.DataFrame(rows)
-
-# %% ../../nbs/rl/optimal_token_baseline.ipynb #b2dcb05b
-def bandit_expected_gradients(logits: Tensor, success_prob: Tensor, estimators: Mapping[str, str | Callable],
-                              group_size: int = 4) -> dict[str, Tensor]:
-    """Exact E[ĝ] w.r.t. the logits [K] of a one-token K-armed Bernoulli bandit, per estimator, plus "true" = ∇_z E[R].
-
-    `success_prob` [K] in [0, 1]; every group of `group_size` (arm, reward) outcomes is enumerated (the
-    estimators are registered advantages or callables `RolloutBatch -> [rows, 1]`); float64 [K] vectors on
-    the device of `logits`."""
-    if not isinstance(logits, Tensor) or logits.ndim != 1 or logits.numel() < 2 or not logits.is_floating_point():
-        raise ValueError(f"logits: expected a 1-D float tensor of K >= 2 arms, got {getattr(logits, 'shape', logits)}")
-    if not isinstance(success_prob, Tensor) or success_prob.shape != logits.shape:
-        raise ValueError(f"success_prob: expected shape {tuple(logits.shape)}, got {getattr(success_prob, 'shape', None)}")
-    if torch.isnan(success_prob).any() or (success_prob < 0).any() or (success_prob > 1).any():
-        raise ValueError("success_prob: expected probabilities in [0, 1]")
-    K, N, dev = logits.numel(), group_size, logits.device
-    if not isinstance(N, int) or N < 2 or (2 * K) ** N > 2_000_000:
-        raise ValueError(f"group_size={N!r}: expected an int >= 2 with (2K)^N = {(2 * K) ** max(int(N), 1)} <= 2e6 groups")
-    pi = torch.softmax(logits.double(), -1)
-    p = success_prob.to(device=dev, dtype=torch.float64)
-    arm = torch.arange(K, device=dev).repeat_interleave(2)                 # outcome o = (arm, reward)
-    rew = torch.tensor([1.0, 0.0], dtype=torch.float64, device=dev).repeat(K)
-    q = pi[arm] * torch.where(rew == 1, p[arm], 1 - p[arm])                # P(outcome) of one pull
-    combos = torch.cartesian_prod(*[torch.arange(2 * K, device=dev)] * N)  # [G, N] every group
-    G = combos.shape[0]
-    a, r = arm[combos].flatten(), rew[combos].flatten()
-    prob = q[combos].prod(-1)                                              # [G] probability of each group
-    ones = torch.ones(G * N, 1, dtype=torch.long, device=dev)
-    batch = RolloutBatch(input_ids=torch.zeros_like(ones), attn_mask=ones, resp_mask=ones, reward=r.float(),
-                         uid=torch.arange(G, device=dev).repeat_interleave(N),
-                         old_logp=torch.log(pi[a]).float()[:, None],
-                         sum_pi2=pi.pow(2).sum().float().expand(G * N, 1).clone())
-    score = torch.nn.functional.one_hot(a, K).double() - pi                # ∇_z log π(a), [G·N, K]
-    out = {"true": pi * (p - pi @ p)}
-    for name, est in estimators.items():
-        fn = ADVANTAGES[est] if isinstance(est, str) else est
-        A = fn(batch)[:, 0].double()
-        out[name] = prob @ (A[:, None] * score).view(G, N, K).mean(1)
-    return out
-
 # %% ../../nbs/rl/optimal_token_baseline.ipynb #31a820c2
 group_baseline_compiled = compile_fn(_group_baseline, dynamic=True)
+
+# %% ../../nbs/rl/optimal_token_baseline.ipynb #1fa2e91a
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("ChainSumTask", "OTBRun", "run_otb", "bandit_expected_gradients"),
+                          "kimi_papers.rl.optimal_token_baseline_experiment")
