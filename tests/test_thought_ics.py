@@ -9,10 +9,13 @@ import torch
 import kimi_papers.decoding.thought_ics as ti
 from kimi_papers.core.models import tiny_causal_lm
 from kimi_papers.core.rl.rollout import Policy
+import kimi_papers.decoding.thought_ics_experiment as tx
+from kimi_papers.core.rl.tasks import last_integer as core_last_integer
 from kimi_papers.decoding.thought_ics import (
     DELIMITER, ChainProblem, ICSResult, Round, TokenLedger, continue_thoughts, correction_lift, final_value,
-    full_resample_batch, generate_thoughts, is_correct, last_integer, localize, make_chain_problems, parse_step_index,
-    self_refine_batch, split_sentences, stated_value, thought_ics_batch, thought_marks, true_first_error)
+    full_resample_batch, generate_thoughts, is_correct, last_integer, localize, parse_step_index,
+    self_refine_batch, split_sentences, stated_value, thought_ics, thought_ics_batch, true_first_error)
+from kimi_papers.decoding.thought_ics_experiment import make_chain_problems, thought_marks
 
 P0 = ChainProblem("Start with 6. Add 7. Multiply by 2. Subtract 5.", 6, (("add", 7), ("mul", 2), ("sub", 5)), (6, 13, 26, 21))
 
@@ -209,7 +212,7 @@ def test_bad_inputs(tok, tiny):
     with pytest.raises(ValueError, match="rule"):
         true_first_error(["1"], P0, rule="last")
     with pytest.raises(ValueError, match="arms"):
-        ti.RunConfig(arms=("Z_unknown",))
+        tx.RunConfig(arms=("Z_unknown",))
     with pytest.warns(RuntimeWarning, match="undefined"):
         assert math.isnan(correction_lift([ICSResult(P0, "x", ["Final answer: 21"], True)]))
     assert correction_lift([ICSResult(P0, "x", [], False, [Round(1, 1, False, [], True)]),
@@ -221,3 +224,28 @@ def test_loop_runs_on_cuda(tok, tiny):
     pol = Policy(tiny.to("cuda"), tok, chat=True)
     rs = thought_ics_batch(pol, [P0], [["Final answer: 0"]], rounds=1, localizer="self", max_thoughts=2, max_tokens=4)
     assert rs[0].rounds and rs[0].prompt_tokens > 0
+
+
+def test_last_integer_is_the_core_parser():
+    assert last_integer is core_last_integer
+    assert last_integer("12 * 3 = 36, so 1,200") == 1200 and last_integer("none") is None
+    assert last_integer("Multiply 13 by 2") == 2 and last_integer("-4 - 3 = -7") == -7
+
+
+def test_moved_harness_names_resolve_with_a_warning():
+    with pytest.warns(DeprecationWarning, match="thought_ics_experiment"):
+        assert ti.run_arms is tx.run_arms
+    with pytest.warns(DeprecationWarning):
+        assert ti.make_chain_problems is make_chain_problems
+    with pytest.raises(AttributeError):
+        ti.no_such_name
+
+
+def test_own_model_backtracks_to_self_localised_step(tiny, tok):
+    """The own-data example: a user's wrong trace, self-localisation, the prefix before j kept verbatim."""
+    p = ChainProblem("Start with 4. Multiply by 3. Subtract 5.", 4, (("mul", 3), ("sub", 5)), (4, 12, 7))
+    trace = ["4 * 3 = 12", "12 - 5 = 8", "Final answer: 8"]
+    res = thought_ics(tiny, tok, p, initial=trace, localizer="self", rounds=2, max_thoughts=4, max_tokens=8)
+    assert not res.initial_correct and len(res.rounds) >= 1 and res.rounds[0].true_j == 2
+    for rd, old in zip(res.rounds, [trace] + [r.thoughts for r in res.rounds]):
+        assert 1 <= rd.j <= len(old) and rd.thoughts[:rd.j - 1] == old[:rd.j - 1]

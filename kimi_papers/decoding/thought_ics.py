@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -15,19 +14,19 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.rl.rollout import Policy, as_policy, generate
+from ..core.rl.tasks import last_integer as _last_integer
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'EXAMPLE', 'THOUGHT_SYSTEM', 'LOCALIZE_SYSTEM', 'VERIFY_SYSTEM', 'COT_SYSTEM', 'DELIMITER', 'LOCALIZERS',
-           'VERIFIERS', 'ARMS', 'ChainProblem', 'make_chain_problems', 'clean_thought', 'is_final', 'final_value',
-           'stated_value', 'last_integer', 'trace_answer', 'true_first_error', 'parse_step_index', 'split_sentences',
-           'thought_marks', 'TokenLedger', 'thought_prompt', 'continue_thoughts', 'localize_prompt', 'localize_batch',
-           'verify_batch', 'cot_batch', 'Round', 'ICSResult', 'is_correct', 'thought_ics_batch', 'full_resample_batch',
-           'self_refine_batch', 'correction_lift', 'generate_thoughts', 'localize', 'thought_ics', 'full_resample',
-           'self_refine', 'RunConfig', 'run_arms']
+__all__ = ['log', 'last_integer', 'EXAMPLE', 'THOUGHT_SYSTEM', 'LOCALIZE_SYSTEM', 'VERIFY_SYSTEM', 'COT_SYSTEM', 'DELIMITER',
+           'LOCALIZERS', 'VERIFIERS', 'ChainProblem', 'clean_thought', 'is_final', 'final_value', 'stated_value',
+           'trace_answer', 'true_first_error', 'parse_step_index', 'split_sentences', 'TokenLedger', 'thought_prompt',
+           'continue_thoughts', 'localize_prompt', 'localize_batch', 'verify_batch', 'cot_batch', 'Round', 'ICSResult',
+           'is_correct', 'thought_ics_batch', 'full_resample_batch', 'self_refine_batch', 'correction_lift',
+           'generate_thoughts', 'localize', 'thought_ics', 'full_resample', 'self_refine']
 
 # %% ../../nbs/decoding/thought_ics.ipynb #c30094ad
 @dataclass(frozen=True)
@@ -43,50 +42,6 @@ class ChainProblem:
         """The gold final value."""
         return self.values[-1]
 
-
-_OP_TEXT = {"add": "Add {k}.", "sub": "Subtract {k}.", "mul": "Multiply by {k}."}
-_OP_FN = {"add": lambda v, k: v + k, "sub": lambda v, k: v - k, "mul": lambda v, k: v * k}
-
-
-def _op_range(n_ops: int | tuple[int, int]) -> tuple[int, int]:
-    if isinstance(n_ops, int) and not isinstance(n_ops, bool):
-        lo = hi = check_int("n_ops", n_ops)
-    elif isinstance(n_ops, tuple) and len(n_ops) == 2:
-        lo, hi = check_int("n_ops[0]", n_ops[0]), check_int("n_ops[1]", n_ops[1])
-        if hi < lo:
-            raise ValueError(f"n_ops={n_ops!r}: expected (low, high) with low <= high")
-    else:
-        raise TypeError(f"n_ops={n_ops!r}: expected an int or a (low, high) tuple of ints")
-    return lo, hi
-
-
-def make_chain_problems(n: int, n_ops: int | tuple[int, int] = (3, 5), max_operand: int = 12,
-                        seed: int = 0) -> list[ChainProblem]:
-    """`n` distinct chains "Start with a. Add b. Multiply by c. ..." with every gold running value (all >= 0).
-
-    Add/subtract operands are 1..max_operand (subtraction never goes below 0); multipliers are 2..min(5, max_operand)
-    and only while the value stays <= 150, so every number is small enough for a 135M model to write."""
-    check_int("n", n)
-    check_int("max_operand", max_operand, 2)
-    check_int("seed", seed, 0)
-    lo, hi = _op_range(n_ops)
-    rng, out, seen = np.random.default_rng(seed), [], set()
-    while len(out) < n:
-        v = int(rng.integers(1, max_operand + 1))
-        start, ops, values = v, [], [v]
-        for _ in range(int(rng.integers(lo, hi + 1))):
-            kinds = ["add"] + (["sub"] if v >= 1 else []) + (["mul"] if 2 * v <= 150 else [])
-            kind = kinds[int(rng.integers(len(kinds)))]
-            top = {"add": max_operand, "sub": min(max_operand, v), "mul": min(5, max_operand, 150 // max(v, 1))}[kind]
-            k = int(rng.integers(2 if kind == "mul" else 1, top + 1))
-            v = _OP_FN[kind](v, k)
-            ops.append((kind, k))
-            values.append(v)
-        q = f"Start with {start}. " + " ".join(_OP_TEXT[kd].format(k=k) for kd, k in ops)
-        if q not in seen:
-            seen.add(q)
-            out.append(ChainProblem(q, start, tuple(ops), tuple(values)))
-    return out
 
 # %% ../../nbs/decoding/thought_ics.ipynb #c2475a33
 _STEP_PREFIX = re.compile(r"^\s*(?:(?:step|sentence)\s*\d+\s*[:.)-]\s*)+", re.I)
@@ -140,10 +95,7 @@ def stated_value(thought: str) -> int | None:
     return _value_after_cue(t)
 
 
-def last_integer(thought: str) -> int | None:
-    """The literal rule of the spec's first draft: the last integer in the thought (reads operands as values)."""
-    found = _INT.findall(thought.replace(",", ""))
-    return int(found[-1]) if found else None
+last_integer = _last_integer  # the spec's first-draft rule: the last integer in a thought (reads operands as values)
 
 
 def trace_answer(thoughts: Sequence[str]) -> int | None:
@@ -194,22 +146,6 @@ def split_sentences(text: str) -> list[str]:
     parts = re.split(r"(?<=[.!?])\s+(?=[A-Z\d])|\n+", text.strip())
     return [clean_thought(p) for p in parts if clean_thought(p)]
 
-
-def thought_marks(thoughts: Sequence[str], problem: ChainProblem) -> list[str]:
-    """Per-thought labels of the explicit rule: "ok", "no value", "wrong" (the first error), "after" (later thoughts),
-    and "final ok" / "final wrong" for the final-answer thought."""
-    j = true_first_error(thoughts, problem)
-    out = []
-    for k, t in enumerate(thoughts, 1):
-        if j is not None and k > j:
-            out.append("after")
-        elif is_final(t):
-            out.append("final ok" if final_value(t) == problem.answer else "final wrong")
-        elif k == j:
-            out.append("wrong")
-        else:
-            out.append("ok" if stated_value(t) is not None else "no value")
-    return out
 
 # %% ../../nbs/decoding/thought_ics.ipynb #b916e84c
 EXAMPLE = "Start with 2. Add 3. Multiply by 4."
@@ -556,92 +492,7 @@ def self_refine(model: Any, tok: Any, problem: ChainProblem, initial: str, verif
     return self_refine_batch(_policy(model, tok), [problem], [initial], verifier=verifier, rounds=rounds,
                              temperature=temperature, **kw)[0]
 
-# %% ../../nbs/decoding/thought_ics.ipynb #0613a39a
-ARMS = {"A_ics_self": "Thought-ICS (self-localisation)", "B_full_resample": "full resample",
-        "C_ics_random": "random localisation", "D_ics_oracle": "oracle localisation",
-        "E_self_refine": "unstructured self-refine"}
 
-
-@dataclass
-class RunConfig:
-    """Knobs shared by every arm of one experiment (equal budgets: same rounds, temperature and token caps)."""
-    rounds: int = 3
-    temperature: float = 0.7
-    max_thoughts: int = 6
-    max_tokens: int = 40       # per thought
-    cot_tokens: int = 96       # per unstructured chain-of-thought (about max_thoughts x 16)
-    auto_rounds: int = 1       # rounds of the autonomous setting (0 skips it)
-    arms: tuple = tuple(ARMS)
-
-    def __post_init__(self):
-        check_int("rounds", self.rounds, 0)
-        check_int("max_thoughts", self.max_thoughts)
-        check_int("max_tokens", self.max_tokens)
-        check_int("cot_tokens", self.cot_tokens)
-        check_int("auto_rounds", self.auto_rounds, 0)
-        bad = [a for a in self.arms if a not in ARMS]
-        if bad:
-            raise ValueError(f"arms: unknown {bad}; expected names from {list(ARMS)}")
-
-
-def run_arms(policy: Policy, problems: Sequence[ChainProblem], cfg: RunConfig, seed: int = 0,
-             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Every arm side by side on the same problems: shared greedy initial traces (structured and unstructured), the
-    oracle-verified arms on the problems whose structured trace is wrong, the localisation study, and (if
-    `auto_rounds`) the autonomous setting on all problems. Returns traces, per-arm results and timings."""
-    if not problems:
-        raise ValueError("problems: expected at least one problem")
-    say = progress or (lambda s: None)
-    t0, out = time.time(), {"timing": {}}
-    kw = dict(temperature=cfg.temperature, max_thoughts=cfg.max_thoughts, max_tokens=cfg.max_tokens)
-    qs = [p.question for p in problems]
-    init_tok = TokenLedger(len(problems))
-    out["initial"] = continue_thoughts(policy, qs, [[] for _ in qs], max_thoughts=cfg.max_thoughts,
-                                       max_tokens=cfg.max_tokens, tokens=init_tok)
-    out["initial_cot"] = cot_batch(policy, qs, max_tokens=cfg.cot_tokens)
-    out["initial_tokens"] = init_tok
-    out["timing"]["initial"] = time.time() - t0
-    pool = [i for i, p in enumerate(problems) if not is_correct(out["initial"][i], p)]
-    out["pool"] = pool
-    say(f"initial traces: {len(problems) - len(pool)}/{len(problems)} correct ({out['timing']['initial']:.0f} s)")
-    P, I = [problems[i] for i in pool], [out["initial"][i] for i in pool]
-    res = {}
-    if pool:
-        for a, name in enumerate(cfg.arms):
-            t = time.time()
-            s = seed * 100 + a
-            if name.startswith(("A_", "C_", "D_")):
-                loc = {"A": "self", "C": "random", "D": "oracle"}[name[0]]
-                res[name] = thought_ics_batch(policy, P, I, rounds=cfg.rounds, localizer=loc, seed=s, **kw)
-            elif name == "B_full_resample":
-                res[name] = full_resample_batch(policy, P, I, rounds=cfg.rounds, seed=s, **kw)
-            else:
-                res[name] = self_refine_batch(policy, P, [out["initial_cot"][i] for i in pool], rounds=cfg.rounds,
-                                              temperature=cfg.temperature, max_tokens=cfg.cot_tokens, seed=s)
-            out["timing"][name] = time.time() - t
-            say(f"{name}: lift {correction_lift(res[name]):.2f} ({out['timing'][name]:.0f} s)")
-    out["results"] = res
-    t = time.time()
-    cot_s = [split_sentences(c) for c in out["initial_cot"]]
-    wrong_u = [i for i, p in enumerate(problems) if not is_correct(cot_s[i], p)]
-    out["loc_structured"] = [(i, j, fb, true_first_error(out["initial"][i], problems[i]),
-                              true_first_error(out["initial"][i], problems[i], "literal"), max(len(out["initial"][i]), 1))
-                             for i, (j, fb) in zip(pool, localize_batch(policy, [qs[i] for i in pool],
-                                                                        [out["initial"][i] for i in pool]) if pool else [])]
-    out["loc_unstructured"] = [(i, j, fb, true_first_error(cot_s[i], problems[i]),
-                                true_first_error(cot_s[i], problems[i], "literal"), max(len(cot_s[i]), 1))
-                               for i, (j, fb) in zip(wrong_u, localize_batch(policy, [qs[i] for i in wrong_u],
-                                                                             [cot_s[i] for i in wrong_u]) if wrong_u else [])]
-    out["timing"]["localisation_study"] = time.time() - t
-    if cfg.auto_rounds:
-        t = time.time()
-        out["auto"] = {
-            "A_ics_self": thought_ics_batch(policy, problems, out["initial"], verifier="self", rounds=cfg.auto_rounds,
-                                            localizer="self", seed=seed * 100 + 50, **kw),
-            "E_self_refine": self_refine_batch(policy, problems, out["initial_cot"], verifier="self",
-                                               rounds=cfg.auto_rounds, temperature=cfg.temperature,
-                                               max_tokens=cfg.cot_tokens, seed=seed * 100 + 51)}
-        out["timing"]["autonomous"] = time.time() - t
-        say(f"autonomous setting ({out['timing']['autonomous']:.0f} s)")
-    out["timing"]["total"] = time.time() - t0
-    return out
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("make_chain_problems", "thought_marks", "ARMS", "RunConfig", "run_arms"),
+                          "kimi_papers.decoding.thought_ics_experiment")
