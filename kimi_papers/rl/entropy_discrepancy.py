@@ -5,29 +5,21 @@
 # %% ../../nbs/rl/entropy_discrepancy.ipynb #e77663c1
 from __future__ import annotations
 
-import copy
 import math
 import warnings
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Callable, Sequence
 
-import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor
 
-from ..core.config import project_root
-from ..core.rl import (
-    CountdownTask, HiddenStates, Policy, Problem, RolloutBatch, Task, Trainer, aggregate, check_rewards, generate,
-    group_index, pass_at_k, sequence_stats, tiny_policy)
+from ..core.config import moved_names
+from ..core.rl import RolloutBatch, aggregate, check_rewards, group_index
+
 
 # %% auto #0
-__all__ = ['ED_KINDS', 'ED_POOLS', 'SCHEDULE_MODES', 'EMA_INITS', 'BANDIT_STEPS', 'FIXTURE', 'COUNTDOWN_WARMSTART', 'ARMS',
-           'response_scores', 'outcome_sides', 'ed_from_scores', 'entropy_discrepancy', 'EDScheduler',
-           'entropy_bonus_loss', 'EDControl', 'bandit_ed', 'entropy_step', 'bandit_entropy_step_effect',
-           'random_bandits', 'bandit_theory', 'countdown_policy', 'measure_policy', 'ScheduleConfig', 'make_control',
-           'run_entropy_schedule', 'branch_effect', 'entropy_bonus_from_logits', 'entropy_bonus_reference']
+__all__ = ['ED_KINDS', 'ED_POOLS', 'SCHEDULE_MODES', 'EMA_INITS', 'BANDIT_STEPS', 'response_scores', 'outcome_sides',
+           'ed_from_scores', 'entropy_discrepancy', 'EDScheduler', 'entropy_bonus_loss', 'EDControl', 'bandit_ed',
+           'entropy_step', 'bandit_entropy_step_effect', 'entropy_bonus_from_logits', 'entropy_bonus_reference']
 
 # %% ../../nbs/rl/entropy_discrepancy.ipynb #9702158d
 ED_KINDS = ("surprisal", "entropy")
@@ -278,189 +270,6 @@ def bandit_entropy_step_effect(logits: Tensor, rewards: Tensor, eta: float = 1e-
     return dj, p * (1 - p) * ed
 
 
-def random_bandits(n: int = 1000, arms: int = 12, seed: int = 0) -> tuple[Tensor, Tensor]:
-    """n random softmax bandits: logits [n, arms] N(0, s^2) with s ~ U(0.3, 3), binary rewards with >= 1 of each (float64)."""
-    if not isinstance(n, int) or n < 1 or not isinstance(arms, int) or arms < 2:
-        raise ValueError(f"n={n!r}, arms={arms!r}: expected ints n >= 1, arms >= 2")
-    g = torch.Generator().manual_seed(seed)
-    spread = 0.3 + 2.7 * torch.rand(n, 1, generator=g, dtype=torch.float64)
-    z = spread * torch.randn(n, arms, generator=g, dtype=torch.float64)
-    q = 0.1 + 0.8 * torch.rand(n, 1, generator=g, dtype=torch.float64)
-    r = (torch.rand(n, arms, generator=g, dtype=torch.float64) < q).double()
-    r[:, 0], r[:, 1] = 1.0, 0.0  # at least one correct and one wrong arm; arm order is random anyway
-    return z, r
-
-
-def bandit_theory(n: int = 1000, arms: int = 12, seed: int = 0, eta: float = 1e-4) -> pd.DataFrame:
-    """The natural-step identity and the plain-step sign rate on `n` random bandits: one row per bandit."""
-    z, r = random_bandits(n, arms, seed)
-    p, ed = bandit_ed(z, r)
-    dj_nat, pred = bandit_entropy_step_effect(z, r, eta, "natural")
-    dj_plain, _ = bandit_entropy_step_effect(z, r, eta, "plain")
-    rel = (dj_nat - pred).abs() / pred.abs().clamp(min=1e-300)
-    return pd.DataFrame(dict(p=p.numpy(), ed=ed.numpy(), predicted=pred.numpy(), dj_natural=dj_nat.numpy(),
-                             dj_plain=dj_plain.numpy(), rel_err=rel.numpy(),
-                             sign_natural=(torch.sign(dj_nat) == torch.sign(ed)).numpy(),
-                             sign_plain=(torch.sign(dj_plain) == torch.sign(ed)).numpy()))
-
-# %% ../../nbs/rl/entropy_discrepancy.ipynb #006a79d1
-FIXTURE = "tests/fixtures/entropy_discrepancy/countdown3_tiny.pt"
-COUNTDOWN_WARMSTART = dict(d_model=64, n_layers=2, n_heads=4, arch="llama", max_len=64, seed=0, sft_steps=150,
-                           target_acc=0.25, batch_size=64, lr=3e-3, eval_every=50, eval_n=200)
-
-
-def countdown_policy(path: str | Path | None = None, progress: bool = False) -> tuple[Policy, dict]:
-    """The warm-started tiny char Llama for Countdown-3 (numbers 1..9, + - *): the committed fixture, else SFT from scratch.
-
-    The fixture holds the weights `tiny_policy(CountdownTask(3, 9), **COUNTDOWN_WARMSTART)` trained (150 SFT steps,
-    greedy held-out accuracy 0.285); without it (an installed package has no tests/) the same SFT runs (~1 CPU-minute)."""
-    task = CountdownTask(n_numbers=3, max_number=9)
-    path = project_root() / FIXTURE if path is None else Path(path)
-    if path.is_file():
-        arch = {k: COUNTDOWN_WARMSTART[k] for k in ("d_model", "n_layers", "n_heads", "arch", "max_len", "seed")}
-        pol, _ = tiny_policy(task, fixture=False, progress=False, **arch)
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        pol.model.load_state_dict(blob["state_dict"])
-        return pol, dict(blob["info"], source=path.name)
-    return tiny_policy(task, fixture=False, progress=progress, **COUNTDOWN_WARMSTART)
-
-# %% ../../nbs/rl/entropy_discrepancy.ipynb #4d4e7a5e
-@torch.no_grad()
-def measure_policy(policy: Policy, task: Task, problems: Sequence[Problem], *, samples: int = 16,
-                   k: Sequence[int] = (1, 8), max_new_tokens: int = 8, seed: int = 12345, temperature: float = 1.0,
-                   batch_rows: int = 1024) -> dict:
-    """Sampled evaluation with ED: expected reward, unbiased pass@k, token entropy and ED of the samples (T = temperature).
-
-    The noise comes from one generator seeded by `seed`, so two policies measured with the same seed share their
-    random numbers. ED is computed over the problems as groups (surprisal and entropy kinds, both poolings)."""
-    if not problems:
-        raise ValueError("problems: expected at least one problem")
-    if not isinstance(samples, int) or samples < 1 or any(not 1 <= kk <= samples for kk in k):
-        raise ValueError(f"samples={samples!r}, k={tuple(k)}: expected an int samples >= 1 and every k in [1, samples]")
-    model, gen = policy.model, torch.Generator().manual_seed(seed)
-    was_training = model.training
-    model.eval()
-    fwd, head = HiddenStates(model), policy.head()
-    per = max(1, batch_rows // samples)
-    rew, sur, ent, lens = [], [], [], []
-    for s in range(0, len(problems), per):
-        chunk = [p for p in problems[s:s + per] for _ in range(samples)]
-        ids, attn, resp, texts = generate(policy, [policy.encode_prompt(p.prompt) for p in chunk],
-                                          max_new_tokens=max_new_tokens, temperature=temperature, generator=gen)
-        st = sequence_stats(fwd, head, ids, attn, resp)
-        rew.append(torch.tensor([task.reward(p, t) for p, t in zip(chunk, texts)], dtype=torch.float64))
-        sur.append(response_scores(-st["logp"], resp).cpu())
-        ent.append(response_scores(st["entropy"], resp).cpu())
-        lens.append(resp.sum(-1).cpu())
-    model.train(was_training)
-    r, s_sur, s_ent = torch.cat(rew), torch.cat(sur), torch.cat(ent)
-    uid = torch.arange(len(problems)).repeat_interleave(samples)
-    pos, neg = outcome_sides(r, uid)
-    counts = r.view(len(problems), samples).sum(1).round().long().tolist()
-    out = {"reward": float(r.mean())}
-    out.update({f"pass@{kk}": float(np.mean([pass_at_k(samples, c, kk) for c in counts])) for kk in k})
-    L = torch.cat(lens).double()
-    out["entropy"] = float((s_ent * L).sum() / L.sum().clamp(min=1))  # token mean over all sampled tokens
-    out["ed"], out["mixed_groups"] = ed_from_scores(s_sur, pos, neg, uid, "response")
-    out["ed_group"] = ed_from_scores(s_sur, pos, neg, uid, "group")[0]
-    out["ed_entropy"] = ed_from_scores(s_ent, pos, neg, uid, "response")[0]
-    return out
-
-# %% ../../nbs/rl/entropy_discrepancy.ipynb #db1c14bd
-ARMS = ("vanilla", "fixed+", "fixed-", "linear", "switch")
-
-
-@dataclass
-class ScheduleConfig:
-    """One training run of `run_entropy_schedule`: the arm, the schedule's knobs and the GRPO settings."""
-    policy: Policy
-    task: Task
-    arm: str = "linear"
-    steps: int = 25
-    seed: int = 0
-    alpha_max: float = 1e-2
-    kappa: float | None = None
-    delta: float = 0.02
-    ema: float = 0.9
-    ema_init: str = "first"
-    ed_kind: str = "surprisal"
-    ed_pool: str = "response"
-    group_size: int = 8
-    prompts_per_step: int = 8
-    lr: float = 1e-4
-    max_new_tokens: int = 8
-    eval_problems: Sequence[Problem] = ()
-    eval_samples: int = 16
-    eval_k: tuple[int, ...] = (1, 8)
-    eval_every: int = 0
-    eval_seed: int = 12345
-    on_iteration: Callable[[Trainer, "EDControl"], None] | None = None
-    trainer_kw: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        if self.arm not in ARMS:
-            raise ValueError(f"arm={self.arm!r}: expected one of {ARMS}")
-        for name in ("steps", "eval_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name}={v!r}: expected an int >= 0")
-
-
-def make_control(cfg: ScheduleConfig) -> EDControl:
-    """The arm's coefficient rule: 0, +alpha_max, -alpha_max, or an `EDScheduler` (linear / switch)."""
-    if cfg.arm in ("linear", "switch"):
-        sched: EDScheduler | float = EDScheduler(cfg.arm, cfg.alpha_max, cfg.kappa, cfg.delta, cfg.ema, cfg.ema_init)
-    else:
-        sched = {"vanilla": 0.0, "fixed+": cfg.alpha_max, "fixed-": -cfg.alpha_max}[cfg.arm]
-    return EDControl(sched, cfg.ed_kind, cfg.ed_pool)
-
-
-def run_entropy_schedule(cfg: ScheduleConfig | dict) -> pd.DataFrame:
-    """Train a fresh copy of cfg.policy with GRPO plus the arm's entropy term; one row per iteration.
-
-    Columns: the core Trainer's metrics, the ED trace (ed, ed_ema, alpha, alpha_applied, mixed_groups) and, at
-    evaluation iterations (every `eval_every` and the last), `eval_*` from `measure_policy`."""
-    cfg = ScheduleConfig(**cfg) if isinstance(cfg, dict) else cfg
-    if not isinstance(cfg, ScheduleConfig):
-        raise TypeError(f"cfg: expected a ScheduleConfig or a dict of its fields, got {type(cfg).__name__}")
-    pol = replace(cfg.policy, model=copy.deepcopy(cfg.policy.model))
-    ctl = make_control(cfg)
-    tr = Trainer(pol, cfg.task, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
-                 max_new_tokens=cfg.max_new_tokens, lr=cfg.lr, seed=cfg.seed, progress=False,
-                 **ctl.trainer_kwargs(), **cfg.trainer_kw)
-    rows = []
-    for it in range(cfg.steps):
-        row = dict(tr.step(), **ctl.rows[-1])
-        last = it == cfg.steps - 1
-        if cfg.eval_problems and (last or (cfg.eval_every and (it + 1) % cfg.eval_every == 0)):
-            ev = measure_policy(pol, cfg.task, cfg.eval_problems, samples=cfg.eval_samples, k=cfg.eval_k,
-                                max_new_tokens=cfg.max_new_tokens, seed=cfg.eval_seed)
-            row.update({f"eval_{k}": v for k, v in ev.items()})
-        rows.append(row)
-        if cfg.on_iteration is not None:
-            cfg.on_iteration(tr, ctl)
-    return pd.DataFrame(rows).assign(arm=cfg.arm, seed=cfg.seed)
-
-
-def branch_effect(policy: Policy, task: Task, *, alpha: float, updates: int, seed: int,
-                  eval_problems: Sequence[Problem], eval_samples: int = 16, max_new_tokens: int = 8,
-                  eval_seed: int = 12345, **trainer_kw: Any) -> dict:
-    """Delta = E[r] after `updates` GRPO iterations with +alpha minus with -alpha, both from `policy`.
-
-    Both branches use the same rollout seed and the same evaluation noise (common random numbers)."""
-    if not alpha > 0:
-        raise ValueError(f"alpha={alpha!r}: expected a number > 0 (the branches use +alpha and -alpha)")
-    out = {}
-    for sign, name in ((1.0, "plus"), (-1.0, "minus")):
-        pol = replace(policy, model=copy.deepcopy(policy.model))
-        Trainer(pol, task, entropy_coef=sign * alpha, seed=seed, max_new_tokens=max_new_tokens, progress=False,
-                **trainer_kw).fit(updates)
-        ev = measure_policy(pol, task, eval_problems, samples=eval_samples, k=(1,), max_new_tokens=max_new_tokens,
-                            seed=eval_seed)
-        out.update({f"reward_{name}": ev["reward"], f"entropy_{name}": ev["entropy"]})
-    out["delta"] = out["reward_plus"] - out["reward_minus"]
-    return out
-
 # %% ../../nbs/rl/entropy_discrepancy.ipynb #4d0f9b83
 from ..core.token_stats import token_stats_from_logits
 
@@ -482,3 +291,11 @@ def entropy_bonus_reference(logits: Tensor, mask: Tensor, alpha: float) -> Tenso
     """The eager baseline: full log_softmax, H = -sum p log p, autograd through [rows, T, V] temporaries (float32+)."""
     lp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
     return entropy_bonus_loss(-(lp.exp() * lp).sum(-1), mask, alpha)
+
+# %% ../../nbs/rl/entropy_discrepancy.ipynb #ca00b5ff
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, (
+    'FIXTURE', 'COUNTDOWN_WARMSTART', 'ARMS', 'random_bandits', 'bandit_theory', 'countdown_policy',
+    'measure_policy', 'ScheduleConfig', 'make_control', 'run_entropy_schedule', 'branch_effect'),
+    "kimi_papers.rl.entropy_discrepancy_experiment")
+
