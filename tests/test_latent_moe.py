@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kimi_papers.architectures.latent_moe import (
-    ACTS, LatentMoE, LatentMoEConfig, StandardMoE, TinyMoELM, active_macs, compiled_kernel_info, cost_model, dense_width,
-    grouped_expert_forward, loop_expert_forward, match_m, n_params, route_topk, train_lm, val_windows)
+    ACTS, LatentMoE, LatentMoEConfig, StandardMoE, active_macs, compiled_kernel_info, cost_model, dense_width,
+    grouped_expert_forward, loop_expert_forward, match_m, n_params, route_topk)
+from kimi_papers.architectures.latent_moe_experiment import TinyMoELM, train_lm, val_windows
 from kimi_papers.core.flops import measured_flops, model_cost, module_cost
 from kimi_papers.core.nn import MoE
 from kimi_papers.core.train import stdlib_corpus
@@ -196,3 +197,12 @@ def test_layer_on_cuda_matches_cpu():
     x = torch.randn(50, 32)
     ref = layer(x)
     torch.testing.assert_close(layer.cuda()(x.cuda()).cpu(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_moved_names_still_resolve():
+    import kimi_papers.architectures.latent_moe as m
+    import kimi_papers.architectures.latent_moe_experiment as e
+    with pytest.warns(DeprecationWarning, match="latent_moe_experiment"):
+        assert m.train_lm is e.train_lm and m.TinyMoELM is e.TinyMoELM
+    with pytest.raises(AttributeError):
+        m.not_a_name

@@ -8,25 +8,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-import numpy as np
-import pandas as pd
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.flops import Cost, linear_cost, mlp_cost, moe_cost, register_cost
 from ..core.kernels import compile_fn, compile_info
-from ..core.nn import MLP, CausalLM, LMConfig, Routing, load_balancing_loss, router_z_loss
+from ..core.nn import MLP, Routing, load_balancing_loss, router_z_loss
 from ..core.nn import activation as expert_act  # core's activation: SwiGLU on a gate|up split, or ReLU²
-from ..core.train import Corpus, TrainResult, cosine_lr, lm_loss, train
 
 # %% auto #0
 __all__ = ['ACTS', 'VARIANTS', 'KERNELS', 'LatentMoEConfig', 'active_macs', 'match_m', 'dense_width', 'n_params', 'log_comb',
            'cost_model', 'route_topk', 'loop_expert_forward', 'dispatch', 'compiled_kernel_info',
-           'grouped_expert_forward', 'LatentMoE', 'routing_stats', 'StandardMoE', 'latent_moe_cost', 'TinyMoELM',
-           'History', 'val_windows', 'evaluate', 'train_lm']
+           'grouped_expert_forward', 'LatentMoE', 'routing_stats', 'StandardMoE', 'latent_moe_cost']
 
 # %% ../../nbs/architectures/latent_moe.ipynb #41ae02d1
 ACTS = ("relu2", "swiglu")
@@ -323,71 +318,7 @@ def latent_moe_cost(mod: LatentMoE, batch: int, T: int, start: int = 0, use_rout
         cost = cost + mlp_cost(n, c.d, c.m, c.act, bp)
     return cost
 
-# %% ../../nbs/architectures/latent_moe.ipynb #ad5a1fea
-def TinyMoELM(vocab: int, d: int, n_layer: int, moe_cfg: LatentMoEConfig | None, n_heads: int = 4, max_len: int = 128,
-              d_ff: int | None = None, kernel: str = "grouped") -> CausalLM:
-    """core.nn CausalLM whose every FFN is a LatentMoE(moe_cfg), or a dense ReLU² MLP of width d_ff if moe_cfg is None."""
-    if moe_cfg is None and d_ff is None:
-        raise ValueError("TinyMoELM: pass moe_cfg (an MoE FFN) or d_ff (a dense ReLU² FFN)")
-    if moe_cfg is not None and moe_cfg.d != d:
-        raise ValueError(f"moe_cfg.d={moe_cfg.d}: expected the model width d={d}")
-    cfg = LMConfig(vocab=vocab, d_model=d, n_layers=n_layer, n_heads=n_heads, max_len=max_len, attn_impl="sdpa")
-    ffn = (lambda c, i: LatentMoE(moe_cfg, kernel)) if moe_cfg is not None else (lambda c, i: MLP(d, d_ff, "relu2"))
-    return CausalLM(cfg, ffn=ffn)
-
-
-@dataclass
-class History:
-    """A training run: core.train's result, val loss (nats/byte) against training FLOPs, final routing stats per layer."""
-    result: TrainResult
-    evals: pd.DataFrame          # step, tokens, flops, val_loss
-    routing: pd.DataFrame        # layer, entropy, entropy_frac, load_cv (on the validation windows)
-
-    @property
-    def val_loss(self) -> float:
-        return float(self.evals["val_loss"].iloc[-1])
-
-
-def val_windows(corpus: Corpus, n: int, seq_len: int) -> Tensor:
-    """n evenly spaced held-out windows int64 [n, seq_len + 1] (the same for every arm)."""
-    starts = np.linspace(0, len(corpus.val) - seq_len - 2, n).astype(np.int64)
-    return torch.from_numpy(np.stack([corpus.val[s:s + seq_len + 1] for s in starts]).astype(np.int64))
-
-
-@torch.no_grad()
-def evaluate(model: CausalLM, windows: Tensor, chunk: int = 16) -> tuple[float, pd.DataFrame]:
-    """Mean next-byte CE (nats/byte) over windows [n, T+1], and each MoE layer's routing stats on them."""
-    model.eval()
-    ce, stats = [], []
-    for b in windows.split(chunk):
-        logits = model(b[:, :-1])
-        ce.append(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[:, 1:].reshape(-1), reduction="sum"))
-        stats.append([routing_stats(l.ffn.last) for l in model.layers if isinstance(l.ffn, LatentMoE)])
-    rows = [{"layer": i, **{k: float(np.mean([s[i][k] for s in stats])) for k in stats[0][i]}} for i in range(len(stats[0]))]
-    return float(torch.stack(ce).sum()) / windows[:, 1:].numel(), pd.DataFrame(rows)
-
-
-def train_lm(model: CausalLM, corpus: Corpus, steps: int, *, batch: int = 16, seq_len: int = 128, seed: int = 0,
-             lr: float = 3e-3, lb_coef: float = 0.01, n_evals: int = 4, val: Tensor | None = None, **train_kw) -> History:
-    """AdamW + cosine (core.train) on seeded corpus windows, with the val loss measured `n_evals` times along the way."""
-    check_int("steps", steps); check_int("n_evals", n_evals)
-    val = val if val is not None else val_windows(corpus, 32, seq_len)
-    batches = corpus.batches(batch, seq_len, seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
-    loss_fn = lambda mdl, b: lm_loss(mdl, b, lb_coef=lb_coef, z_coef=0.0)
-    bounds = np.linspace(0, steps, n_evals + 1).round().astype(int)
-    hists, evals, flops, tokens, seconds = [], [], 0.0, 0, 0.0
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        r = train(model, batches, int(b - a), lr=lr, optimizer=opt, loss_fn=loss_fn, progress=False,
-                  schedule=lambda s, a=a: cosine_lr(int(a) + s, steps, lr), **train_kw)
-        h = r.history.assign(step=r.history.step + a, tokens=r.history.tokens + tokens,
-                             flops=r.history.flops + flops, seconds=r.history.seconds + seconds)
-        hists.append(h)
-        flops, tokens, seconds = flops + r.flops, tokens + r.tokens, seconds + r.seconds
-        v, routing = evaluate(model, val)
-        evals.append({"step": int(b), "tokens": tokens, "flops": flops, "val_loss": v})
-        model.train()
-    model.eval()
-    hist = pd.concat(hists, ignore_index=True)
-    res = TrainResult(hist, steps, tokens, seconds, flops, float(hist["loss"].iloc[-1]), tokens / max(seconds, 1e-9))
-    return History(res, pd.DataFrame(evals), routing)
+# %% ../../nbs/architectures/latent_moe.ipynb #9d5e1a42
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("TinyMoELM", "History", "val_windows", "evaluate", "train_lm"),
+                          "kimi_papers.architectures.latent_moe_experiment")
