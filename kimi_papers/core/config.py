@@ -23,14 +23,16 @@ __all__ = ['SettingsError', 'project_root', 'Settings', 'load_settings', 'settin
 _SCHEMA: dict[str, dict[str, type]] = {
     "profiles": {"names": list, "smoke_budget_s": float, "full_budget_s": float, "default": str},
     "paths": {"results_dir": Path, "ledger_dir": Path, "model_cache": Path, "runs_dir": Path, "compile_cache": Path},
-    "run": {"jobs": int, "threads_per_job": int, "kernel_name": str},
+    "run": {"jobs": int, "threads_per_job": int, "kernel_name": str, "scheduler": str},
+    "cluster": {"queue": str, "cores": int, "memory": str, "walltime": str},
 }
 
 _DEFAULTS: dict[str, dict[str, str]] = {
     "profiles": {"names": "smoke, full", "smoke_budget_s": "60", "full_budget_s": "1800", "default": "smoke"},
     "paths": {"results_dir": "runs/results", "ledger_dir": "data/results", "model_cache": "~/.cache/kimi_papers/models",
               "runs_dir": "runs", "compile_cache": "~/.cache/kimi_papers/inductor"},
-    "run": {"jobs": "2", "threads_per_job": "1", "kernel_name": "python3"},
+    "run": {"jobs": "2", "threads_per_job": "1", "kernel_name": "python3", "scheduler": ""},
+    "cluster": {"queue": "normal", "cores": "4", "memory": "16GB", "walltime": "02:00:00"},
 }
 
 
