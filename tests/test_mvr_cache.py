@@ -14,10 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from kimi_papers.serving.mvr_cache import (
-    VCACHE_VARIANCE, CosineScorer, Encoded, MVRScorer, SegmenterPolicy, SigmoidCalibrator, TokenBank, VCachePolicy,
-    balanced_bce, batch_segment_ids, fit_threshold, hit_at_error, make_semsynth, maxsim_compiled, maxsim_reference,
-    maxsim_score, normalise_answer, pooled_maxsim, roc_auc, run_stream, sample_pairs, segment_ids, segment_means,
-    train_segmenter, vcache_tau)
+    CosineScorer, Encoded, MVRScorer, SegmenterPolicy, SigmoidCalibrator, TokenBank, as_encoded, balanced_bce,
+    batch_segment_ids, maxsim_compiled, maxsim_score, pooled_maxsim, sample_pairs, segment_ids, segment_means,
+    train_segmenter)
+from kimi_papers.serving.mvr_cache_experiment import maxsim_reference
+from kimi_papers.serving.mvr_cache_semsynth import make_semsynth
+from kimi_papers.serving.mvr_cache_vcache import (
+    VCACHE_VARIANCE, VCachePolicy, fit_threshold, hit_at_error, normalise_answer, roc_auc, run_stream, vcache_tau)
 
 
 def _ragged(g, sizes, d=16):
@@ -226,6 +229,35 @@ def test_mvr_scorer_on_fake_segments():
     # segments: [e1], [e2] vs [e1], [-e2]: row maxima 1 and max(0, -1) = 0 -> MaxSim 0.5 -> 0.75
     assert sc.score(sc.prepare("x"), [sc.prepare("y")])[0] == pytest.approx(0.75)
     assert sc.score(sc.prepare("x"), [sc.prepare("x"), sc.prepare("y")]).tolist() == pytest.approx([1.0, 0.75])
+
+
+def test_scorers_take_any_embedder():
+    """A plain texts -> [n_tokens, d] tensors callable works; same hand-checked 0.75 as the Encoded version above."""
+    def embed(ps):
+        return [torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0] if p == "x" else [0.0, -1.0]]) for p in ps]
+    sc = MVRScorer(lambda p, e: [1], encode=embed, full_row=False, blend=False, compiled=False)
+    assert sc.score(sc.prepare("x"), [sc.prepare("x"), sc.prepare("y")]).tolist() == pytest.approx([1.0, 0.75])
+    e = as_encoded(embed(["x"])[0])
+    assert e.cand.tolist() == [True, True, False] and torch.allclose(e.sent, F.normalize(torch.tensor([2.0, 1.0]), dim=0))
+    cos = CosineScorer(encode=embed)
+    # whole-prompt vectors (2, 1)/sqrt5 and (2, -1)/sqrt5: cos = 3/5 -> (3/5 + 1) / 2 = 0.8
+    assert cos.score(cos.prepare("x"), [cos.prepare("y")])[0] == pytest.approx(0.8)
+    bank = TokenBank.stack(embed(["x", "y"]) + [torch.ones(1, 2)])
+    assert bank.tok.shape == (3, 3, 2) and bank.length.tolist() == [3, 3, 1]
+    for bad in ([], [torch.ones(3, 2)] * 2, [torch.ones(3)], [torch.zeros(0, 2)], ["not a tensor"]):
+        with pytest.raises(ValueError, match="per text"):
+            CosineScorer(encode=lambda ps, bad=bad: bad).prepare("z")
+
+
+def test_moved_names_still_resolve():
+    import kimi_papers.serving.mvr_cache as m
+    from kimi_papers.serving import mvr_cache_vcache
+    for name, home in (("VCachePolicy", mvr_cache_vcache.VCachePolicy), ("make_semsynth", make_semsynth),
+                       ("maxsim_reference", maxsim_reference)):
+        with pytest.warns(DeprecationWarning, match=name):
+            assert getattr(m, name) is home
+    with pytest.raises(AttributeError):
+        m.no_such_name
 
 
 def test_semsynth_rule():

@@ -10,29 +10,39 @@ import math
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..core.config import moved_names
 from ..core.kernels import compile_fn
 from ..core.models import load_minilm
-from .mvr_cache_semsynth import FAMILIES, WRAPPERS, SemSynth, make_semsynth  # noqa: F401 (re-exported)
-from .mvr_cache_vcache import (MIN_OBSERVATIONS, _check_texts, VCACHE_VARIANCE, Decision, Entry, StreamResult,  # noqa: F401 (re-exported)
-                                                 VCachePolicy, fit_threshold, hit_at_error, normalise_answer, roc_auc,
-                                                 run_stream, same_answer, vcache_tau)
 
 # %% auto #0
-__all__ = ['PUNCTUATION', 'maxsim_compiled', 'pooled_maxsim_compiled', 'Encoded', 'encode_tokens', 'segment_ids', 'segment_means',
-           'punctuation_boundaries', 'oracle_boundaries', 'batch_segment_ids', 'maxsim_score', 'segment_pool',
-           'pooled_maxsim', 'maxsim_reference', 'SegmenterPolicy', 'SigmoidCalibrator', 'balanced_bce', 'TokenBank',
-           'neighbour_table', 'sample_pairs', 'TrainResult', 'train_segmenter', 'Rep', 'CosineScorer', 'MVRScorer',
-           'learned_boundaries', 'chat_prompt', 'lm_generate']
+__all__ = ['PUNCTUATION', 'maxsim_compiled', 'pooled_maxsim_compiled', 'Encoded', 'encode_tokens', 'Embedder', 'as_encoded',
+           'segment_ids', 'segment_means', 'batch_segment_ids', 'maxsim_score', 'segment_pool', 'pooled_maxsim',
+           'SegmenterPolicy', 'SigmoidCalibrator', 'balanced_bce', 'TokenBank', 'neighbour_table', 'sample_pairs',
+           'TrainResult', 'train_segmenter', 'Rep', 'CosineScorer', 'MVRScorer', 'learned_boundaries']
 
 # %% ../../nbs/serving/mvr_cache.ipynb #1bf89d22
 PUNCTUATION = frozenset(",.!?:;")
+
+
+def _check_texts(texts: Sequence[str], name: str = "texts") -> list[str]:
+    """`texts` as a list if it is a non-empty sequence of non-blank strings, else a clear error naming `name`."""
+    if isinstance(texts, str) or not isinstance(texts, Sequence):
+        raise TypeError(f"{name}: expected a list of strings, got {type(texts).__name__}")
+    if not texts:
+        raise ValueError(f"{name}: expected at least one prompt")
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"{name}[{i}]: expected a str, got {type(t).__name__}")
+        if not t.strip():
+            raise ValueError(f"{name}[{i}]: empty prompt; a semantic cache needs text to compare")
+    return list(texts)
 
 
 @dataclass
@@ -50,9 +60,7 @@ class Encoded:
         return self.tok.mean(0)
 
 
-@functools.lru_cache(maxsize=2)
-def _minilm(device: str = "cpu") -> tuple[Any, Any]:
-    return load_minilm(device)
+_minilm = functools.lru_cache(maxsize=2)(load_minilm)   # (model, tokenizer) of one device, loaded once
 
 
 def encode_tokens(texts: Sequence[str], model: Any = None, tokenizer: Any = None, batch_size: int = 32,
@@ -85,7 +93,23 @@ def encode_tokens(texts: Sequence[str], model: Any = None, tokenizer: Any = None
                 out.append(Encoded(tok, cand, sent, [tuple(map(int, o)) for o in offs[r, 1:n - 1].tolist()], toks))
     return out
 
-# %% ../../nbs/serving/mvr_cache.ipynb #05b145d9
+
+class Embedder(Protocol):
+    """Any callable from texts to token vectors: one [n_tokens, d] float tensor (or an `Encoded`, as `encode_tokens`) per text."""
+
+    def __call__(self, texts: list[str]) -> Sequence[torch.Tensor | Encoded]: ...
+
+
+def as_encoded(x: torch.Tensor | Encoded) -> Encoded:
+    """One embedder output as `Encoded`; a [n_tokens, d] tensor: unit-mean prompt vector, any token but the last ends a segment."""
+    if isinstance(x, Encoded):
+        return x
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] == 0 or not x.is_floating_point():
+        raise ValueError(f"embedder output: expected one non-empty float [n_tokens, d] tensor (or Encoded) per text, got {x!r:.80}")
+    tok = x.detach().float().cpu()
+    return Encoded(tok, torch.arange(len(tok)) < len(tok) - 1, F.normalize(tok.mean(0), dim=-1), [], [])
+
+
 def _check_boundaries(length: int, boundaries: Sequence[int]) -> list[int]:
     b = [int(x) for x in boundaries]
     if any(y <= x for x, y in zip(b, b[1:])) or any(not 0 <= x < length - 1 for x in b):
@@ -108,22 +132,6 @@ def segment_means(tok_emb: torch.Tensor, boundaries: Sequence[int]) -> torch.Ten
     m = int(seg.max()) + 1
     sums = tok_emb.new_zeros(m, tok_emb.shape[1]).index_add_(0, seg, tok_emb)
     return sums / torch.bincount(seg, minlength=m).to(tok_emb.dtype)[:, None]
-
-
-def punctuation_boundaries(enc: Encoded) -> list[int]:
-    """Fixed splitting: a boundary at every punctuation token (the no-learning ablation)."""
-    return torch.nonzero(enc.cand).flatten().tolist()
-
-
-def oracle_boundaries(enc: Encoded, part_ends: Sequence[int]) -> list[int]:
-    """The tokens that end each part but the last (from SemSynth's character offsets): a positive control."""
-    ends = [e for e, _ in enumerate(enc.offsets)]
-    out = []
-    for pe in part_ends[:-1]:
-        last = max(i for i in ends if enc.offsets[i][1] <= pe)
-        if last < len(enc.offsets) - 1 and (not out or last > out[-1]):
-            out.append(last)
-    return out
 
 
 def batch_segment_ids(boundaries: torch.Tensor, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -180,21 +188,6 @@ def pooled_maxsim(tok_q: torch.Tensor, seg_q: torch.Tensor, tok_c: torch.Tensor,
     full_q = (tok_q * vq[..., None]).sum(1) / vq.sum(1, keepdim=True).clamp_min(1)
     full_c = (tok_c * vc[..., None]).sum(1) / vc.sum(1, keepdim=True).clamp_min(1)
     return maxsim_score(Q, C, qm, cm, full_q, full_c, full_row, blend)
-
-
-def maxsim_reference(Qs: Sequence[torch.Tensor], Cs: Sequence[torch.Tensor], full_q: torch.Tensor, full_c: torch.Tensor,
-                     full_row: bool = True, blend: bool = True) -> torch.Tensor:
-    """Eager reference: a Python loop over pairs of unpadded segment matrices Q_i [m_i, d], C_i [n_i, d] -> [B]."""
-    out = []
-    for q, c, fq, fc in zip(Qs, Cs, full_q, full_c):
-        if full_row:
-            q, c = torch.cat([q, fq[None]]), torch.cat([c, fc[None]])
-        S = F.normalize(q, dim=-1, eps=1e-8) @ F.normalize(c, dim=-1, eps=1e-8).T
-        s = 0.5 * S.max(1).values.mean() + 0.5 * S.max(0).values.mean()
-        if blend:
-            s = 0.5 * (s + F.cosine_similarity(fq, fc, dim=0, eps=1e-8))
-        out.append((s + 1) / 2)
-    return torch.stack(out)
 
 
 maxsim_compiled = compile_fn(maxsim_score)
@@ -296,7 +289,8 @@ class TokenBank:
     sent: torch.Tensor     # [N, d] unit whole-prompt vectors (core.models.embed pooling)
 
     @classmethod
-    def stack(cls, encs: Sequence[Encoded]) -> "TokenBank":
+    def stack(cls, encs: Sequence[torch.Tensor | Encoded]) -> "TokenBank":
+        encs = [as_encoded(e) for e in encs]
         L = max(e.tok.shape[0] for e in encs)
         d = encs[0].tok.shape[1]
         tok = torch.zeros(len(encs), L, d)
@@ -412,26 +406,26 @@ class Rep:
 
 
 class CosineScorer:
-    """Whole-prompt cosine of MiniLM sentence vectors, mapped to [0, 1] by (cos + 1) / 2 (the vCache / GPTCache baseline)."""
+    """Whole-prompt cosine of an `Embedder`'s prompt vectors (MiniLM's by default), mapped to [0, 1] by (cos + 1) / 2 (the vCache / GPTCache baseline)."""
     name = "cosine"
 
-    def __init__(self, encode: Callable[[list[str]], list[Encoded]] = encode_tokens):
+    def __init__(self, encode: Embedder = encode_tokens):
         self.encode = encode
         self.memo: dict[str, Rep] = {}
 
     def _rep(self, prompt: str, enc: Encoded) -> Rep:
         return Rep(enc.sent)
 
-    def prime(self, prompts: Sequence[str], encs: Sequence[Encoded]) -> "CosineScorer":
-        """Store already-encoded prompts (no MiniLM call later)."""
+    def prime(self, prompts: Sequence[str], encs: Sequence[torch.Tensor | Encoded]) -> "CosineScorer":
+        """Store already-encoded prompts (no embedder call later)."""
         for p, e in zip(prompts, encs):
-            self.memo[p] = self._rep(p, e)
+            self.memo[p] = self._rep(p, as_encoded(e))
         return self
 
     def prepare(self, prompt: str) -> Rep:
         """The (memoised) representation of one prompt."""
         if prompt not in self.memo:
-            self.memo[prompt] = self._rep(prompt, self.encode([prompt])[0])
+            self.memo[prompt] = self._rep(prompt, as_encoded(out[0] if len(out := list(self.encode([prompt]))) == 1 else out))
         return self.memo[prompt]
 
     def score(self, q: Rep, cands: Sequence[Rep]) -> np.ndarray:
@@ -443,7 +437,7 @@ class CosineScorer:
 class MVRScorer(CosineScorer):
     """Segment MaxSim (optionally with the full-prompt row and the cosine blend) with boundaries from `boundary_fn`."""
 
-    def __init__(self, boundary_fn: Callable[[str, Encoded], list[int]], encode: Callable = encode_tokens,
+    def __init__(self, boundary_fn: Callable[[str, Encoded], list[int]], encode: Embedder = encode_tokens,
                  name: str = "mvr", full_row: bool = True, blend: bool = True, pad_to: int = 10, compiled: bool = True):
         super().__init__(encode)
         self.boundary_fn, self.name, self.full_row, self.blend = boundary_fn, name, full_row, blend
@@ -477,22 +471,9 @@ def learned_boundaries(policy: SegmenterPolicy) -> Callable[[str, Encoded], list
     """A `boundary_fn` that runs the trained segmenter greedily."""
     return lambda prompt, enc: policy.boundaries(enc)
 
-# %% ../../nbs/serving/mvr_cache.ipynb #e44aeab1
-def chat_prompt(tokenizer: Any, prompt: str) -> str:
-    """SmolLM2's chat template around one user message, ready for generation."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
 
-
-def lm_generate(prompts: Sequence[str], model: Any, tokenizer: Any, max_new_tokens: int = 12, batch_size: int = 16) -> list[str]:
-    """Greedy answers of a chat LM (SmolLM2-135M-Instruct here) to each prompt, batched with left padding."""
-    prompts = _check_texts(prompts, "prompts")
-    dev = next(model.parameters()).device
-    out: list[str] = []
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch_size):
-            enc = tokenizer([chat_prompt(tokenizer, p) for p in prompts[i:i + batch_size]], return_tensors="pt",
-                            padding=True).to(dev)
-            gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-            out += [t.strip() for t in tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)]
-    return out
+# moved names resolve (with a DeprecationWarning) from the experiment module, which imports vCache's and SemSynth's
+__getattr__ = moved_names(__name__, ("chat_prompt", "lm_generate", "oracle_boundaries", "punctuation_boundaries",
+    "maxsim_reference", "FAMILIES", "WRAPPERS", "SemSynth", "make_semsynth", "MIN_OBSERVATIONS", "VCACHE_VARIANCE",
+    "Decision", "Entry", "StreamResult", "VCachePolicy", "fit_threshold", "hit_at_error", "normalise_answer", "roc_auc",
+    "run_stream", "same_answer", "vcache_tau"), "kimi_papers.serving.mvr_cache_experiment")

@@ -12,15 +12,13 @@ import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from ..core.io import atomic_write
-
-if TYPE_CHECKING:  # the scorers live in the paper module, which imports this one
-    from kimi_papers.serving.mvr_cache import CosineScorer
+from .mvr_cache import CosineScorer, _check_texts   # the companion imports the paper, never the reverse
 
 # %% auto #0
 __all__ = ['VCACHE_VARIANCE', 'MIN_OBSERVATIONS', 'fit_threshold', 'vcache_tau', 'normalise_answer', 'same_answer', 'Entry',
@@ -36,20 +34,6 @@ VCACHE_VARIANCE = dict(zip(range(6, 49), [
 MIN_OBSERVATIONS = 6
 _EPS_GRID = np.linspace(1e-6, 1 - 1e-6, 50)
 _Z = np.array([statistics.NormalDist().inv_cdf(1 - e) for e in _EPS_GRID])
-
-
-def _check_texts(texts: Sequence[str], name: str = "texts") -> list[str]:
-    """`texts` as a list if it is a non-empty sequence of non-blank strings, else a clear error naming `name`."""
-    if isinstance(texts, str) or not isinstance(texts, Sequence):
-        raise TypeError(f"{name}: expected a list of strings, got {type(texts).__name__}")
-    if not texts:
-        raise ValueError(f"{name}: expected at least one prompt")
-    for i, t in enumerate(texts):
-        if not isinstance(t, str):
-            raise TypeError(f"{name}[{i}]: expected a str, got {type(t).__name__}")
-        if not t.strip():
-            raise ValueError(f"{name}[{i}]: empty prompt; a semantic cache needs text to compare")
-    return list(texts)
 
 
 def fit_threshold(s: Sequence[float], c: Sequence[int], min_obs: int = MIN_OBSERVATIONS, max_iter: int = 30
