@@ -18,10 +18,11 @@ import torch
 
 from kimi_papers.core.train import stdlib_corpus
 from kimi_papers.serving.spec_md import (
-    BeladyCache, FIFOCache, HardwareModel, LayerAwareLeastStaleCache, LeastStaleCache, LFRUCache, LFUCache, LRUCache,
-    PrefetchPlan, Trace, access_sequence, capacity_slots, load_trace, make_policy, olmoe_hardware, oracle_prefetch,
-    predict_prefetch, read_routing_log, record_traces, save_trace, simulate, synthetic_trace, trace_from_routing_log, trace_model,
-    trace_model_config, train_tiny_moe, write_routing_log)
+    BeladyCache, FIFOCache, LayerAwareLeastStaleCache, LeastStaleCache, LFRUCache, LFUCache, LRUCache, make_policy)
+from kimi_papers.serving.spec_md_experiment import HardwareModel, access_sequence, capacity_slots, olmoe_hardware, simulate
+from kimi_papers.serving.spec_md_traces import (
+    PrefetchPlan, Trace, load_trace, oracle_prefetch, predict_prefetch, read_routing_log, record_traces, save_trace,
+    synthetic_trace, trace_from_routing_log, trace_model, trace_model_config, train_tiny_moe, write_routing_log)
 
 ONLINE = ("lru", "lfu", "fifo", "lfru", "least_stale")
 
@@ -367,3 +368,16 @@ def test_committed_traces_start_as_this_code_trains_them():
     _, log = train_tiny_moe(trace_model_config(), corpus.train, steps=1, batch=8, seq_len=256, seed=0, log_every=1)
     assert log[0]["ce"] == pytest.approx(tr.meta["train_log"][0]["ce"], rel=1e-5)   # recorded on another CPU
     assert log[0]["load_balance"] == pytest.approx(tr.meta["train_log"][0]["load_balance"], rel=1e-5)
+
+
+def test_moved_names_still_resolve():
+    """Names that left the method module resolve from the experiment module or the trace companion, with a warning."""
+    import kimi_papers.serving.spec_md as m
+    import kimi_papers.serving.spec_md_experiment as e
+    import kimi_papers.serving.spec_md_traces as t
+    with pytest.warns(DeprecationWarning, match="spec_md_experiment"):
+        assert m.simulate is e.simulate and m.sweep is e.sweep
+    with pytest.warns(DeprecationWarning, match="spec_md_traces"):
+        assert m.Trace is t.Trace and m.predict_prefetch is t.predict_prefetch
+    with pytest.raises(AttributeError):
+        m.not_a_name

@@ -7,43 +7,18 @@ from __future__ import annotations
 
 import math
 import numbers
-import zlib
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field, fields
-from typing import Callable, Iterable, Sequence
+from collections import OrderedDict
+from typing import Iterable, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..core.nn import LMConfig, MoE
-from .spec_md_traces import (
-    TRACE_MODEL, trace_model_config, trace_model, sample_prompts, trace_lr, train_tiny_moe, trained_model,
-    LOOKAHEAD_TOP, unit_rms, folded_routers, select_prefetch, gate_lookahead, Trace, save_trace, load_trace,
-    record_traces, measure_cpu_times, build_trace_files, synthetic_trace, ROUTING_LOG_FORMAT,
-    trace_from_routing_log, write_routing_log, read_routing_log, PREFETCH_MODES, PrefetchPlan, predict_prefetch,
-    oracle_prefetch, lookahead_accuracy)
-
-# the trace part's public names stay importable from kimi_papers.serving.spec_md
-_all_ = [
-    'TRACE_MODEL', 'trace_model_config', 'trace_model', 'sample_prompts', 'trace_lr', 'train_tiny_moe',
-    'trained_model', 'LOOKAHEAD_TOP', 'unit_rms', 'folded_routers', 'select_prefetch', 'gate_lookahead',
-    'Trace', 'save_trace', 'load_trace', 'record_traces', 'measure_cpu_times', 'build_trace_files',
-    'synthetic_trace', 'ROUTING_LOG_FORMAT', 'trace_from_routing_log', 'write_routing_log',
-    'read_routing_log', 'PREFETCH_MODES', 'PrefetchPlan', 'predict_prefetch', 'oracle_prefetch',
-    'lookahead_accuracy']
+from ..core.config import moved_names
+from ..core.nn import MoE
 
 # %% auto #0
-__all__ = ['POLICIES', 'OUTCOMES', 'OLMOE_EXPERT_BYTES', 'PREFETCH_AT', 'CachePolicy', 'LRUCache', 'FIFOCache', 'LFUCache',
-           'LFRUCache', 'LeastStaleCache', 'LayerAwareLeastStaleCache', 'BeladyCache', 'make_policy', 'HardwareModel',
-           'olmoe_hardware', 'tiny_real_hardware', 'measure_copy_bandwidth', 'SimResult', 'access_sequence', 'simulate',
-           'capacity_slots', 'prefetcher_label', 'sweep', 'gate_lookahead_reference', 'gather_slot_pool',
-           'cached_expert_ffn', 'TRACE_MODEL', 'trace_model_config', 'trace_model', 'sample_prompts', 'trace_lr',
-           'train_tiny_moe', 'trained_model', 'LOOKAHEAD_TOP', 'unit_rms', 'folded_routers', 'select_prefetch',
-           'gate_lookahead', 'Trace', 'save_trace', 'load_trace', 'record_traces', 'measure_cpu_times',
-           'build_trace_files', 'synthetic_trace', 'ROUTING_LOG_FORMAT', 'trace_from_routing_log', 'write_routing_log',
-           'read_routing_log', 'PREFETCH_MODES', 'PrefetchPlan', 'predict_prefetch', 'oracle_prefetch',
-           'lookahead_accuracy']
+__all__ = ['POLICIES', 'CachePolicy', 'LRUCache', 'FIFOCache', 'LFUCache', 'LFRUCache', 'LeastStaleCache',
+           'LayerAwareLeastStaleCache', 'BeladyCache', 'make_policy', 'gather_slot_pool', 'cached_expert_ffn']
 
 # %% ../../nbs/serving/spec_md.ipynb #b1b135df
 class CachePolicy:
@@ -295,398 +270,6 @@ def make_policy(name: str, capacity: int, future: Sequence[int] | None = None, n
         return LayerAwareLeastStaleCache(capacity, n_experts)
     return POLICIES[name](capacity)
 
-# %% ../../nbs/serving/spec_md.ipynb #e182022f
-OUTCOMES = ("hit", "compulsory", "capacity", "collision", "late")
-OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2  # one OLMoE-1B-7B expert in bf16: gate, up, down projections
-_UNIT_FLOORS = {"expert_bytes": (1e3, "bytes (12.6 MB = 12.6e6)"), "bw_bytes_s": (1e6, "bytes per second (16 GB/s = 16e9)"),
-                "flops_per_s": (1e6, "FLOP per second (100 TFLOP/s = 1e14)")}
-
-
-@dataclass(frozen=True)
-class HardwareModel:
-    """Copy engine at `bw_bytes_s` for experts of `expert_bytes`; compute from FLOPs at `flops_per_s`, or from `measured` lines.
-
-    Values below 1 kB, 1 MB/s or 1 MFLOP/s are taken for a unit mistake (GB/s passed as B/s) and raise; pass
-    `check_units=False` for abstract units (hand-worked examples)."""
-    expert_bytes: float
-    bw_bytes_s: float
-    flops_per_s: float
-    d_model: int = 2048
-    d_expert: int = 1024
-    measured: dict | None = None   # dense/expert fixed and per-token seconds (see measure_cpu_times)
-    name: str = ""
-    check_units: bool = field(default=True, compare=False)
-
-    def __post_init__(self):
-        for key in ("expert_bytes", "bw_bytes_s", "flops_per_s"):
-            val = getattr(self, key)
-            if isinstance(val, bool) or not isinstance(val, numbers.Real) or not val > 0 or not math.isfinite(val):
-                raise ValueError(f"HardwareModel.{key}={val!r}: expected a positive finite number")
-        for key in ("bw_bytes_s", "expert_bytes", "flops_per_s"):
-            val, (floor, unit) = getattr(self, key), _UNIT_FLOORS[key]
-            if self.check_units and val < floor and not (key == "flops_per_s" and self.measured):
-                raise ValueError(f"HardwareModel.{key}={val!r}: implausibly small, expected {unit} — a unit mistake? "
-                                 "(olmoe_hardware takes GB/s; pass check_units=False for abstract units)")
-        if self.measured is not None:
-            need = {"dense_fixed_s", "dense_per_token_s", "expert_fixed_s", "expert_per_token_s"}
-            if not isinstance(self.measured, dict) or need - set(self.measured):
-                raise ValueError(f"HardwareModel.measured: expected a dict with {sorted(need)}")
-            bad = {k: v for k, v in self.measured.items() if k in need and not (math.isfinite(v) and v >= 0)}
-            if bad:
-                raise ValueError(f"HardwareModel.measured: {bad}: expected finite seconds >= 0")
-
-    @property
-    def transfer_s(self) -> float:
-        """Seconds to copy one expert host -> device."""
-        return self.expert_bytes / self.bw_bytes_s
-
-    def expert_time(self, tokens: int) -> float:
-        """Seconds for one expert on `tokens` tokens."""
-        if self.measured:
-            return self.measured["expert_fixed_s"] + self.measured["expert_per_token_s"] * tokens
-        return 2 * 3 * self.d_model * self.d_expert * tokens / self.flops_per_s
-
-    def dense_time(self, tokens: int) -> float:
-        """Seconds for a layer's non-expert part (attention projections, router) on `tokens` tokens."""
-        if self.measured:
-            return self.measured["dense_fixed_s"] + self.measured["dense_per_token_s"] * tokens
-        return 2 * 4 * self.d_model ** 2 * tokens / self.flops_per_s
-
-
-def olmoe_hardware(bw_gbs: float, tflops: float = 100.0) -> HardwareModel:
-    """OLMoE-1B-7B-sized experts (12.6 MB bf16) over a `bw_gbs` GB/s link, compute at `tflops` TFLOP/s."""
-    if not bw_gbs > 0:
-        raise ValueError(f"bw_gbs={bw_gbs!r}: expected a positive bandwidth in GB/s")
-    if bw_gbs > 1e4:
-        raise ValueError(f"bw_gbs={bw_gbs:g}: more than 10 TB/s — bytes/s passed where GB/s is expected? (16 GB/s = 16)")
-    return HardwareModel(OLMOE_EXPERT_BYTES, bw_gbs * 1e9, tflops * 1e12, name=f"OLMoE-size, {bw_gbs:g} GB/s")
-
-
-def tiny_real_hardware(cpu_times: dict, cfg: LMConfig | None = None, bw_gbs: float = 16.0) -> HardwareModel:
-    """Our own experts (fp32) over a `bw_gbs` GB/s link with the CPU layer times measured at recording."""
-    cfg = cfg or trace_model_config()
-    return HardwareModel(3 * cfg.d_model * cfg.d_expert * 4, bw_gbs * 1e9, 1.0, cfg.d_model, cfg.d_expert,
-                         measured=dict(cpu_times), name=f"tiny-real, {bw_gbs:g} GB/s")
-
-
-def measure_copy_bandwidth(n_bytes: int, device: str | torch.device, repeats: int = 20) -> float:
-    """Median bytes/s of pinned host -> `device` copies of an `n_bytes` buffer (CUDA only; calibrates `bw_bytes_s`)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"device={str(device)!r}: expected a CUDA device (pinned host->device copies)")
-    src = torch.empty(int(n_bytes), dtype=torch.uint8).pin_memory()
-    dst = torch.empty(int(n_bytes), dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(device)
-    secs = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(); dst.copy_(src, non_blocking=True); end.record(); end.synchronize()
-        secs.append(start.elapsed_time(end) / 1e3)
-    return int(n_bytes) / float(np.median(secs))
-
-# %% ../../nbs/serving/spec_md.ipynb #bd3a169b
-@dataclass
-class SimResult:
-    """Counts and times of one simulation; `outcomes` holds one OUTCOMES index per access, in order."""
-    policy: str
-    capacity: int
-    prefetch: str
-    accesses: int = 0
-    hits: int = 0
-    compulsory: int = 0
-    capacity_misses: int = 0
-    collision: int = 0
-    late: int = 0
-    demand_loads: int = 0
-    prefetch_loads: int = 0
-    prefetch_touches: int = 0
-    useful_prefetches: int = 0
-    prefetch_dropped: int = 0
-    prefetch_cancelled: int = 0
-    stall_s: float = 0.0
-    ttft_s: list = field(default_factory=list)
-    tpot_s: list = field(default_factory=list)
-    outcomes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8), repr=False)
-    residency: list | None = field(default=None, repr=False)
-
-    @property
-    def misses(self) -> int:
-        return self.compulsory + self.capacity_misses + self.collision
-
-    @property
-    def transfers(self) -> int:
-        return self.demand_loads + self.prefetch_loads
-
-    def rate(self, count: int) -> float:
-        """`count` per access (NaN for an empty trace)."""
-        return count / self.accesses if self.accesses else float("nan")
-
-    @property
-    def hit_rate(self) -> float:
-        return self.rate(self.hits)
-
-    @property
-    def collision_rate(self) -> float:
-        return self.rate(self.collision)
-
-    @property
-    def ttft(self) -> float:
-        return float(np.mean(self.ttft_s)) if self.ttft_s else float("nan")
-
-    @property
-    def tpot(self) -> float:
-        return float(np.mean(self.tpot_s)) if self.tpot_s else float("nan")
-
-    def row(self) -> dict:
-        """The scalar results as a flat dict (one DataFrame row)."""
-        skip = ("ttft_s", "tpot_s", "outcomes", "residency")
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
-        out.update(misses=self.misses, transfers=self.transfers, hit_rate=self.hit_rate,
-                   collision_rate=self.collision_rate, ttft_s=self.ttft, tpot_s=self.tpot)
-        return out
-
-# %% ../../nbs/serving/spec_md.ipynb #cdf17721
-PREFETCH_AT = ("before", "after")  # prefetches for layer l+d issued before layer l's own accesses, or after them
-
-
-def _pass_views(trace: Trace) -> tuple[list, list, list]:
-    """Per flattened pass: routed sets per layer, the token counts aligned with them, and tokens in the pass (cached)."""
-    if getattr(trace, "_views", None) is None:
-        sets = trace.expert_sets()
-        c = trace.counts.reshape(trace.n_passes, trace.n_layers, trace.n_experts)
-        toks = [[tuple(int(c[p, l, e]) for e in s) for l, s in enumerate(ps)] for p, ps in enumerate(sets)]
-        trace._views = (sets, toks, trace.pass_tokens().tolist())
-    return trace._views
-
-
-def access_sequence(trace: Trace) -> list[int]:
-    """Every access key (layer * E + expert) in simulation order — Belady's future."""
-    E = trace.n_experts
-    return [l * E + e for ps in _pass_views(trace)[0] for l, s in enumerate(ps) for e in s]
-
-
-def _simulate_counts(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy, res: SimResult, track: bool,
-                     prefetch_at: str = "before") -> bytearray:
-    """Count-only replay: instantaneous transfers."""
-    sets = _pass_views(trace)[0]
-    L, E, d = trace.n_layers, trace.n_experts, plan.lookahead if plan else 0
-    lookup, insert, resident, begin_layer = cache.lookup, cache.insert, cache.__contains__, cache.begin_layer
-    seen, pend, out = set(), set(), bytearray()
-    ins: set = set()                      # inserted (prefetched or loaded) during this pass
-
-    def prefetch(l: int, experts: tuple) -> None:
-        for e in experts:
-            key = (l + d) * E + e
-            if resident(key):
-                lookup(key); res.prefetch_touches += 1
-            elif insert(key) != key:
-                res.prefetch_loads += 1; ins.add(key); pend.add(key)
-            else:
-                res.prefetch_dropped += 1
-
-    after = prefetch_at == "after"
-    for p, ps in enumerate(sets):
-        cache.begin_pass()
-        ins.clear()
-        pre = plan.sets[p] if plan else None
-        for l in range(L):
-            begin_layer(l)
-            if pre and pre[l] and not after:
-                prefetch(l, pre[l])
-            for e in ps[l]:
-                key = l * E + e
-                if lookup(key):
-                    out.append(0)
-                    if key in pend:
-                        res.useful_prefetches += 1; pend.discard(key)
-                else:
-                    out.append(3 if key in ins else 1 if key not in seen else 2)
-                    insert(key); ins.add(key); pend.discard(key); res.demand_loads += 1
-                seen.add(key)
-            if pre and pre[l] and after:
-                prefetch(l, pre[l])
-            if track:
-                res.residency.append(sorted(cache))
-    return out
-
-# %% ../../nbs/serving/spec_md.ipynb #bb58c0e1
-def _simulate_timed(trace: Trace, plan: PrefetchPlan | None, cache: CachePolicy, hw: HardwareModel,
-                    res: SimResult, track: bool, prefetch_at: str = "before") -> bytearray:
-    """Discrete-event replay: one compute stream, one FIFO copy engine, demand loads jump the queue."""
-    sets, toks, ntok = _pass_views(trace)
-    L, E, P, d = trace.n_layers, trace.n_experts, trace.passes_per_request, plan.lookahead if plan else 0
-    tx, expert_time = hw.transfer_s, hw.expert_time
-    lookup, insert, resident = cache.lookup, cache.insert, cache.__contains__
-    now = eng = cur_end = 0.0          # compute clock, copy engine free at, current expert's end
-    cur = -1                           # the expert computing until cur_end (pinned)
-    queue, queued, ready = deque(), set(), {}
-    seen, pend, out, ins = set(), set(), bytearray(), set()
-
-    def drain(layer: int) -> None:
-        """Start every queued prefetch whose start time has come (engine free and request issued)."""
-        nonlocal eng
-        while queue:
-            key, target, issued = queue[0]
-            if key not in queued:            # taken over by a demand load
-                queue.popleft(); continue
-            if target < layer:               # its layer already ran: cancel
-                queue.popleft(); queued.discard(key); res.prefetch_cancelled += 1; continue
-            start = eng if eng > issued else issued
-            if start > now:
-                break
-            queue.popleft(); queued.discard(key)
-            if insert(key, (cur,) if start < cur_end else ()) == key:
-                res.prefetch_dropped += 1; continue
-            eng = ready[key] = start + tx
-            ins.add(key); pend.add(key); res.prefetch_loads += 1
-
-    def issue(l: int, experts: tuple) -> None:
-        for e in experts:
-            key = (l + d) * E + e
-            if resident(key):
-                lookup(key); res.prefetch_touches += 1
-            elif key not in queued:
-                queue.append((key, l + d, now)); queued.add(key)
-
-    after = prefetch_at == "after"
-    for p, ps in enumerate(sets):
-        t_pass = now
-        cache.begin_pass()
-        res.prefetch_cancelled += len(queued)
-        queue.clear(); queued.clear(); ins.clear()
-        pre = plan.sets[p] if plan else None
-        dense = hw.dense_time(ntok[p])
-        for l in range(L):
-            cache.begin_layer(l)
-            now += dense
-            if queue:
-                drain(l)
-            if pre and pre[l] and not after:
-                issue(l, pre[l])
-            for e, n in zip(ps[l], toks[p][l]):
-                key = l * E + e
-                if queue:
-                    drain(l)
-                if lookup(key):
-                    r = ready.get(key, 0.0)
-                    if r > now:
-                        out.append(4); res.stall_s += r - now; now = r
-                    else:
-                        out.append(0)
-                    if key in pend:
-                        res.useful_prefetches += 1; pend.discard(key)
-                else:
-                    if key in queued:                # predicted, but its copy never started
-                        queued.discard(key); out.append(4)
-                    else:
-                        out.append(3 if key in ins else 1 if key not in seen else 2)
-                    start = now if now > eng else eng
-                    eng = start + tx
-                    if insert(key) != key:           # compute is stalled: nothing is pinned
-                        ready[key] = eng
-                    ins.add(key); pend.discard(key); res.demand_loads += 1
-                    res.stall_s += eng - now; now = eng
-                seen.add(key)
-                cur, cur_end = key, now + expert_time(n)
-                now = cur_end
-            if pre and pre[l] and after:
-                issue(l, pre[l])
-            if track:
-                res.residency.append(sorted(cache))
-        (res.ttft_s if p % P == 0 else res.tpot_s).append(now - t_pass)
-    res.prefetch_cancelled += len(queued)
-    return out
-
-# %% ../../nbs/serving/spec_md.ipynb #f0871e3a
-def simulate(trace: Trace, prefetch: PrefetchPlan | None, policy: str, capacity: int,
-             hw: HardwareModel | None = None, *, track: bool = False, prefetch_at: str = "before") -> SimResult:
-    """Replay `trace` with a prefetch plan (or None) and an eviction policy over `capacity` expert slots.
-
-    `prefetch_at`: the prefetches for layer l + d are issued before layer l's own accesses ("before", the spec's
-    reading: nothing of layer l is pinned yet) or after them ("after")."""
-    if not isinstance(trace, Trace):
-        raise TypeError(f"trace: expected a Trace, got {type(trace).__name__}")
-    if prefetch_at not in PREFETCH_AT:
-        raise ValueError(f"prefetch_at={prefetch_at!r}: expected one of {PREFETCH_AT}")
-    if prefetch is not None:
-        if not isinstance(prefetch, PrefetchPlan):
-            raise TypeError(f"prefetch: expected a PrefetchPlan from predict_prefetch or None, got {type(prefetch).__name__}")
-        prefetch.check(trace)
-        if policy == "belady":
-            raise ValueError("policy='belady' is the demand-loading optimum: use prefetch=None")
-    if hw is not None and not isinstance(hw, HardwareModel):
-        raise TypeError(f"hw: expected a HardwareModel or None, got {type(hw).__name__}")
-    future = access_sequence(trace) if policy == "belady" else None
-    cache = make_policy(policy, capacity, future, n_experts=trace.n_experts)
-    res = SimResult(policy, cache.capacity, prefetch.name if prefetch is not None else "none",
-                    residency=[] if track else None)
-    out = (_simulate_counts(trace, prefetch, cache, res, track, prefetch_at) if hw is None
-           else _simulate_timed(trace, prefetch, cache, hw, res, track, prefetch_at))
-    res.outcomes = np.frombuffer(bytes(out), np.int8).copy()
-    counts = np.bincount(res.outcomes, minlength=len(OUTCOMES))
-    res.accesses = len(res.outcomes)
-    res.hits, res.compulsory, res.capacity_misses, res.collision, res.late = map(int, counts)
-    return res
-
-# %% ../../nbs/serving/spec_md.ipynb #4bca11ab
-def capacity_slots(pct: float, n_layers: int, n_experts: int) -> int:
-    """Whole expert slots for a cache of `pct` percent of all L*E experts (round half up)."""
-    if isinstance(pct, bool) or not isinstance(pct, numbers.Real) or not 0 <= pct <= 100:
-        raise ValueError(f"capacity pct={pct!r}: expected a number in [0, 100]")
-    return int(math.floor(pct / 100 * n_layers * n_experts + 0.5))
-
-
-def prefetcher_label(spec: dict) -> str:
-    """A short name of a prefetcher spec: none, fixed-k4-d2, dynamic-t0.05-d1, ..."""
-    if spec.get("mode") is None:
-        return "none"
-    if spec["mode"] == "fixed":
-        return f"fixed-k{spec.get('k', 4)}-d{spec['lookahead']}"
-    return f"dynamic-t{spec.get('tau', 0.05):g}-d{spec['lookahead']}"
-
-
-def sweep(traces: dict[str, Trace], grid: dict, progress: Callable[[str], None] | None = None) -> "pd.DataFrame":
-    """Simulate every (trace, capacity_pct, prefetcher, policy, hardware) cell of `grid`; one DataFrame row per cell.
-
-    `grid["hardware"]` maps a name to None (count-only), a HardwareModel, or a function trace -> HardwareModel."""
-    import pandas as pd
-    missing = {"capacity_pct", "prefetchers", "policies", "hardware"} - set(grid)
-    if missing:
-        raise ValueError(f"grid: missing keys {sorted(missing)}")
-    for pol in grid["policies"]:
-        if pol not in POLICIES:
-            raise ValueError(f"grid policies: {pol!r} is not one of {sorted(POLICIES)}")
-    rows = []
-    for tname, tr in traces.items():
-        for spec in grid["prefetchers"]:
-            plan = None if spec.get("mode") is None else predict_prefetch(
-                tr, spec["lookahead"], spec["mode"], k=spec.get("k", 4), tau=spec.get("tau", 0.05), k_max=spec.get("k_max", 8))
-            for pct in grid["capacity_pct"]:
-                slots = capacity_slots(pct, tr.n_layers, tr.n_experts)
-                for hname, hw in grid["hardware"].items():
-                    if hw is not None and not isinstance(hw, HardwareModel):
-                        hw = hw(tr)  # a per-trace hardware model (e.g. measured CPU times in the trace's meta)
-                    for pol in grid["policies"]:
-                        if pol == "belady" and plan is not None:
-                            continue
-                        r = simulate(tr, plan, pol, slots, hw)
-                        rows.append({"trace": tname, "capacity_pct": pct, "slots": slots, "prefetcher": prefetcher_label(spec),
-                                     "mode": spec.get("mode") or "none", "lookahead": spec.get("lookahead", 0),
-                                     "hardware": hname, **r.row(), "outcome_crc": zlib.crc32(r.outcomes.tobytes())})
-                if progress:
-                    progress(f"{tname} {prefetcher_label(spec)} {pct}%")
-    return pd.DataFrame(rows)
-
-# %% ../../nbs/serving/spec_md.ipynb #9ac2ae3a
-def gate_lookahead_reference(h: torch.Tensor, w: torch.Tensor, mode: str = "fixed", k: int = 4, tau: float = 0.05,
-                             k_max: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eager per-layer loop computing the same (probs [L', E], mask [L', E]) as `gate_lookahead`."""
-    if h.dim() != 3 or w.dim() != 3 or h.shape[0] != w.shape[0] or h.shape[2] != w.shape[1]:
-        raise ValueError(f"h, w: expected [L, T, d] and [L, d, E], got {tuple(h.shape)} and {tuple(w.shape)}")
-    probs = torch.stack([(h[l] @ w[l]).softmax(-1).mean(0) for l in range(h.shape[0])])
-    return probs, torch.stack([select_prefetch(p, mode, k, tau, k_max) for p in probs])
-
 # %% ../../nbs/serving/spec_md.ipynb #87edc6fd
 def gather_slot_pool(moe: MoE, experts: Sequence[int], capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Copy `experts` into a pool of `capacity` slots (slot i holds experts[i]): (slot_W1, slot_W2, slot_of_expert [E], -1 if absent)."""
@@ -714,3 +297,29 @@ def cached_expert_ffn(x: torch.Tensor, slot_idx: torch.Tensor, slot_W1: torch.Te
     g, u = torch.einsum("td,tkdf->tkf", x, slot_W1[slot_idx]).chunk(2, -1)
     y = torch.einsum("tkm,tkmd->tkd", F.silu(g) * u, slot_W2[slot_idx])
     return y.sum(1) if gates is None else (gates.unsqueeze(-1) * y).sum(1)
+
+# %% ../../nbs/serving/spec_md.ipynb #f8b0d2e4
+# names that lived here before the split still resolve (with a DeprecationWarning): the simulator, hardware model and
+# sweep from the experiment module, the trace part (traces, routing logs, prefetch plans) from spec_md_traces
+_MOVED = {
+    "kimi_papers.serving.spec_md_experiment": (
+        'OUTCOMES', 'OLMOE_EXPERT_BYTES', 'HardwareModel', 'olmoe_hardware', 'tiny_real_hardware',
+        'measure_copy_bandwidth', 'SimResult', 'PREFETCH_AT', 'access_sequence', 'simulate', 'capacity_slots',
+        'prefetcher_label', 'sweep', 'gate_lookahead_reference',
+    ),
+    "kimi_papers.serving.spec_md_traces": (
+        'TRACE_MODEL', 'trace_model_config', 'trace_model', 'sample_prompts', 'trace_lr', 'train_tiny_moe',
+        'trained_model', 'LOOKAHEAD_TOP', 'unit_rms', 'folded_routers', 'select_prefetch', 'gate_lookahead', 'Trace',
+        'save_trace', 'load_trace', 'record_traces', 'measure_cpu_times', 'build_trace_files', 'synthetic_trace',
+        'ROUTING_LOG_FORMAT', 'trace_from_routing_log', 'write_routing_log', 'read_routing_log', 'PREFETCH_MODES',
+        'PrefetchPlan', 'predict_prefetch', 'oracle_prefetch', 'lookahead_accuracy',
+    ),
+}
+_RESOLVE = {n: moved_names(__name__, names, to) for to, names in _MOVED.items() for n in names}
+
+
+def __getattr__(name: str):
+    """A name that moved out of this module, from its new module (with a DeprecationWarning)."""
+    if name not in _RESOLVE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _RESOLVE[name](name)
