@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import zlib
 from typing import Any, Callable, Sequence
 
@@ -22,11 +23,13 @@ from ..core.rl import (
 
 # %% auto #0
 __all__ = ['INTENTS', 'PARAPHRASES', 'DOOR', 'LOSS_CFG', 'softmin_compiled', 'FORMS', 'ARMS', 'min_steps', 'KeyDoorCorridor',
-           'corridor_configs', 'corridor_observations', 'CorridorPolicy', 'policy_for', 'play', 'policy_loss',
-           'corridor_eval', 'warm_policy', 'IntentEncoder', 'MiniLMIntents', 'OneHotIntents', 'RandomIntents',
-           'step_text', 'embed_steps', 'step_table', 'softmin', 'sinkhorn_potentials', 'pairwise_cost', 'identity_cost',
-           'transport_plan', 'hpo_step_weights', 'hpo_advantages', 'coef_schedule', 'hpo_advantage', 'make_encoders',
-           'arm_advantage', 'train_arm', 'measure_grad_variance', 'run_hpo']
+           'oracle_intent', 'parse_observation', 'corridor_configs', 'corridor_observations', 'CorridorPolicy',
+           'policy_for', 'play', 'policy_loss', 'corridor_eval', 'warm_policy', 'IntentEncoder', 'MiniLMIntents',
+           'OneHotIntents', 'OracleIntents', 'RandomIntents', 'step_text', 'embed_steps', 'step_table', 'softmin',
+           'marginal_error', 'newton_semidual', 'sinkhorn_potentials', 'pairwise_cost', 'identity_cost',
+           'transport_plan', 'hpo_step_weights', 'hpo_advantages', 'coef_schedule', 'hpo_advantage',
+           'oracle_step_weights', 'oracle_credit_advantage', 'random_step_weights', 'random_credit_advantage',
+           'make_encoders', 'arm_advantage', 'train_arm', 'measure_grad_variance', 'run_hpo']
 
 # %% ../../nbs/rl/hpo.ipynb #11afce83
 INTENTS = ("left", "right", "pickup", "open")
@@ -121,11 +124,32 @@ class KeyDoorCorridor:
 
     def oracle(self) -> str:
         """The intent of a shortest-path action from the current state."""
-        if self.door and self.key is not None:
-            return "pickup" if self.pos == self.key else ("left" if self.pos > self.key else "right")
-        if self.door and not self.door_open:
-            return "open" if self.pos == DOOR - 1 else ("left" if self.pos > DOOR - 1 else "right")
-        return "right" if self.goal > self.pos else "left"
+        return oracle_intent(self.pos, self.key, self.door_open, self.goal, self.door)
+
+
+def oracle_intent(pos: int, key: int | None, door_open: bool, goal: int, door: bool = True) -> str:
+    """The intent of a shortest-path action from a corridor state (key None = carried)."""
+    if door and key is not None:
+        return "pickup" if pos == key else ("left" if pos > key else "right")
+    if door and not door_open:
+        return "open" if pos == DOOR - 1 else ("left" if pos > DOOR - 1 else "right")
+    return "right" if goal > pos else "left"
+
+
+_OBS = re.compile(r"You are in cell (\d+) of (\d+)\. The goal is cell (\d+)\.(?: (You carry the key)\.| The key lies in cell (\d+)\.)?"
+                  r"(?: The door in cell \d+ is (open|locked)\.)?$")
+
+
+def parse_observation(obs: str) -> dict | None:
+    """The state behind an observation sentence: dict(pos, n, goal, key (None = carried), door_open, door); None for
+    text that is not a corridor state (e.g. "You reached the goal.")."""
+    m = _OBS.match(obs.strip()) if isinstance(obs, str) else None
+    if m is None:
+        return None
+    pos, n, goal, carry, key, state = m.groups()
+    door = state is not None
+    return dict(pos=int(pos), n=int(n), goal=int(goal), key=None if carry or not door else int(key),
+                door_open=(state == "open") if door else True, door=door)
 
 
 def corridor_configs(n: int = 9, horizon: int = 12, door: bool = True) -> list[tuple[int, int, int]]:
@@ -282,6 +306,33 @@ class OneHotIntents(IntentEncoder):
         return torch.arange(start, start + len(texts), dtype=torch.float32)[:, None]
 
 
+class OracleIntents(IntentEncoder):
+    """The true state and intent of a step text "observation | action": one-hot position (n), key place or carried (5),
+    door shut / open (2), goal (n - 6), intent (4), concatenated and divided by sqrt(5) (unit length). Paraphrases
+    of one intent coincide; states that differ only in the key are apart. A text that is not a corridor step raises."""
+
+    def __init__(self, n: int = 9):
+        super().__init__()
+        self.n = check_int("n", n, 8)
+        self.dim = n + 5 + 2 + (n - 6) + len(INTENTS)
+        self._intent = {a: i for i in INTENTS for a in PARAPHRASES[i]}
+
+    def _new(self, texts: list[str]) -> Tensor:
+        out = torch.zeros(len(texts), self.dim)
+        for r, t in enumerate(texts):
+            obs, _, act = t.partition(" | ")
+            st, it = parse_observation(obs), self._intent.get(act.strip())
+            if st is None or it is None or st["n"] != self.n:
+                raise ValueError(f"texts[{r}]={t!r}: expected 'corridor observation | action string' for n={self.n}")
+            n = self.n
+            out[r, st["pos"]] = 1.0
+            out[r, n + (4 if st["key"] is None else st["key"])] = 1.0
+            out[r, n + 5 + int(st["door_open"])] = 1.0
+            out[r, n + 7 + st["goal"] - 6] = 1.0
+            out[r, n + 7 + (n - 6) + INTENTS.index(it)] = 1.0
+        return out / math.sqrt(5.0)
+
+
 class RandomIntents(IntentEncoder):
     """A fixed random unit vector per string (seeded by the string's crc32 and `seed`): no semantics."""
 
@@ -350,21 +401,77 @@ def _weights(w: Tensor | None, like: Tensor) -> Tensor:
     return w / w.sum(-1, keepdim=True)
 
 
+def _semidual(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float, hessian: bool = True):
+    """The entropic semi-dual at g [B, m]: (value [B], gradient b - pi^T a [B, m], minus the Hessian [B, m, m] or None,
+    f [B, n] = the c-transform of g). C [B, n, m]; a, b weights with 0 on padding."""
+    z = b.log()[:, None, :] + (g[:, None, :] - C) / eps
+    lse = torch.logsumexp(z, -1)
+    f = torch.where(a > 0, -eps * lse, torch.zeros_like(lse))
+    pi = torch.where((a > 0)[..., None], torch.exp(z - lse[..., None]), torch.zeros_like(z))  # row-conditional plan
+    col = (a[..., None] * pi).sum(1)
+    H = (torch.diag_embed(col) - (a[..., None] * pi).transpose(1, 2) @ pi) / eps if hessian else None
+    return (a * f).sum(-1) + (b * g).sum(-1), b - col, H, f
+
+
+def marginal_error(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float) -> Tensor:
+    """max_j |(pi^T a)_j - b_j| / b_j [B] of the plan the potential g [B, m] implies (rows are exact by construction)."""
+    _, grad, _, _ = _semidual(C, a, b, g, eps, hessian=False)
+    return (grad.abs() / b.clamp(min=1e-300)).masked_fill(b <= 0, 0.0).amax(-1)
+
+
+def newton_semidual(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float, tol: float = 1e-6,
+                    max_iter: int = 200) -> tuple[Tensor, Tensor, int]:
+    """Solve the entropic OT semi-dual to `tol` (relative column-marginal error) by damped Newton from g [B, m].
+
+    float64 throughout; Armijo backtracking keeps every step an ascent step. Returns (f [B, n], g [B, m], iterations);
+    raises when `max_iter` steps do not reach `tol`."""
+    C, a, b, g = C.double(), a.double(), b.double(), g.double()
+    pad = b <= 0
+    g = torch.where(pad, torch.zeros_like(g), g)
+    rank1 = b[:, :, None] * b[:, None, :]  # removes the constant-shift null direction of the Hessian
+    t_prev = torch.ones(g.shape[0], dtype=g.dtype, device=g.device)
+    for it in range(max_iter + 1):
+        phi, grad, H, f = _semidual(C, a, b, g, eps)
+        err = (grad.abs() / b.clamp(min=1e-300)).masked_fill(pad, 0.0).amax(-1)
+        done = err <= tol
+        if bool(done.all()):
+            return f, g, it
+        if it == max_iter:
+            break
+        ridge = 1e-10 * H.diagonal(dim1=-2, dim2=-1).amax(-1).clamp(min=1e-30)  # columns the plan barely reaches
+        M = H + rank1 + torch.diag_embed(pad.double() + ridge[:, None].expand_as(g))
+        d = torch.linalg.solve(M, grad.unsqueeze(-1)).squeeze(-1)
+        d = torch.where(pad | done[:, None], torch.zeros_like(d), d)
+        slope, t = (grad * d).sum(-1), (2 * t_prev).clamp(max=1.0)  # start from twice the last accepted step
+        for _ in range(50):
+            ok = _semidual(C, a, b, g + t[:, None] * d, eps, hessian=False)[0] >= phi + 1e-4 * t * slope
+            if bool((ok | done).all()):
+                break
+            t = torch.where(ok | done, t, 0.5 * t)
+        g, t_prev = g + t[:, None] * d, torch.where(done, t_prev, t)
+    raise ValueError(f"newton_semidual: marginal error {float(err.max()):.3g} > tol={tol} after {max_iter} Newton steps; "
+                     "raise tol, max_iter or eps")
+
+
 def sinkhorn_potentials(x: Tensor, y: Tensor, a: Tensor | None = None, b: Tensor | None = None, *, eps: float = 0.01,
                         p: int = 1, n_iter: int | None = 200, scaling: float = 0.5, kernel: Callable = softmin,
-                        cost: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                        cost: Tensor | None = None, tol: float | None = None) -> tuple[Tensor, Tensor]:
     """Entropic OT dual potentials (f [.., n], g [.., m]) between clouds x [(B,) n, d] and y [(B,) m, d], cost |x - y|^p.
 
     Log-domain symmetric Sinkhorn (geomloss-style, debias off): eps is annealed from the cloud diameter^p by
     `scaling` per iteration down to `eps`, `n_iter` iterations in all, then one last full update. Weights a, b
     default to uniform; a zero weight marks padding. OT_eps = <a, f> + <b, g>. `n_iter=None` runs only the annealing
-    schedule (diameter^p -> eps), as geomloss's `SamplesLoss` does; `cost` [B, n, m] replaces |x - y|^p."""
+    schedule (diameter^p -> eps), as geomloss's `SamplesLoss` does; `cost` [B, n, m] replaces |x - y|^p.
+    `tol`: then solve to that relative marginal error by Newton on the semi-dual (`newton_semidual`, float64); the
+    potentials are returned in the input's float dtype."""
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
         raise ValueError(f"eps={eps!r}: expected a finite number > 0")
     if not 0 < scaling < 1:
         raise ValueError(f"scaling={scaling!r}: expected a number in (0, 1)")
     if n_iter is not None:
         check_int("n_iter", n_iter)
+    if tol is not None and not (isinstance(tol, (int, float)) and 0 < tol < 1):
+        raise ValueError(f"tol={tol!r}: expected None or a number in (0, 1)")
     check_int("p", p)
     single = x.ndim == 2
     if single:
@@ -393,6 +500,9 @@ def sinkhorn_potentials(x: Tensor, y: Tensor, a: Tensor | None = None, b: Tensor
         f, g = 0.5 * (f + ft), 0.5 * (g + gt)
     e = torch.full_like(e0, eps)
     f, g = kernel(e, C, lb + g / eps), kernel(e, Ct, la + f / eps)
+    if tol is not None and torch.isfinite(g).all():
+        f64, g64, _ = newton_semidual(C, a, b, g, eps, tol)
+        f, g = f64.to(x.dtype), g64.to(x.dtype)
     f, g = torch.where(a > 0, f, torch.zeros_like(f)), torch.where(b > 0, g, torch.zeros_like(g))
     if not (torch.isfinite(f).all() and torch.isfinite(g).all()):
         raise ValueError(f"sinkhorn_potentials: non-finite potentials at eps={eps}; raise eps")
@@ -431,7 +541,7 @@ def _pad_groups(emb: Tensor, members: list[Tensor]) -> tuple[Tensor, Tensor]:
 def hpo_step_weights(emb: Tensor, step_traj: Tensor, step_pos: Tensor, traj_reward: Tensor, uid: Tensor, *,
                      strategy: str = "on", form: str = "paper", clip: float = 1.0, min_pos: int = 4, min_neg: int = 4,
                      eps: float = 0.01, n_iter: int | None = 200, kernel: Callable = softmin,
-                     identity: bool = False, info: dict | None = None) -> Tensor:
+                     identity: bool = False, info: dict | None = None, tol: float | None = None) -> Tensor:
     """Hindsight step weights w [n_steps] float32 from intent vectors emb [n_steps, d].
 
     Per group (uid of the step's trajectory) with >= min_pos steps of successful and >= min_neg steps of failed
@@ -439,7 +549,8 @@ def hpo_step_weights(emb: Tensor, step_traj: Tensor, step_pos: Tensor, traj_rewa
     w = -(f - mean_group f) / std(f) with the std over all eligible steps of the batch (ddof 1); `paper-group`: the
     std of the step's own group; `paper-clip`: `paper` clipped to [-clip, clip]; `code` (the official code): -n/(n-1) (f - mean f) / batch std, clipped to
     [-clip, clip], 0 on first steps, times the group's positive-step fraction.
-    Ineligible groups get w = 0. `identity=True`: emb [n, 1] holds string ids (one-hot intents)."""
+    Ineligible groups get w = 0. `identity=True`: emb [n, 1] holds string ids (one-hot intents). `n_iter`, `tol`: the
+    Sinkhorn solve (`sinkhorn_potentials`; tol=None stops after n_iter, or after the annealing schedule when None)."""
     if strategy != "on":
         raise ValueError(f"strategy={strategy!r}: only the on-policy strategy 'on' is implemented")
     if form not in FORMS:
@@ -472,7 +583,7 @@ def hpo_step_weights(emb: Tensor, step_traj: Tensor, step_pos: Tensor, traj_rewa
     X, a = _pad_groups(emb, src)
     Y, b = _pad_groups(emb, tgt)
     C = identity_cost(X[..., 0], Y[..., 0]) if identity else None
-    f, _ = sinkhorn_potentials(X, Y, a, b, eps=eps, n_iter=n_iter, kernel=kernel, cost=C)
+    f, _ = sinkhorn_potentials(X, Y, a, b, eps=eps, n_iter=n_iter, kernel=kernel, cost=C, tol=tol)
     raw = []
     for k, ix in enumerate(groups):
         d = f[k, : len(ix)].float() - f[k, : len(ix)].float().mean()
@@ -521,7 +632,7 @@ def coef_schedule(step: int, total: int, warmup: int = 0, cmax: float = 0.5, cmi
 @register_advantage("hpo")
 def hpo_advantage(batch: RolloutBatch, encoder: Callable | None = None, coef: float = 0.5, form: str = "paper",
                   min_pos: int = 4, min_neg: int = 4, eps: float = 0.01, n_iter: int | None = 200, clip: float = 1.0,
-                  kernel: Callable = softmin, log: list | None = None, **_: Any) -> Tensor:
+                  kernel: Callable = softmin, log: list | None = None, tol: float | None = None, **_: Any) -> Tensor:
     """HPO: GRPO's outcome advantage mixed with the hindsight step weight, [rows, T] float32 (needs step_index, episodes)."""
     if encoder is None or batch.step_index is None or not batch.episodes:
         raise ValueError("hpo advantage: needs adv_cfg encoder=... and a multi-turn batch (step_index, episodes)")
@@ -530,7 +641,7 @@ def hpo_advantage(batch: RolloutBatch, encoder: Callable | None = None, coef: fl
     info: dict = {}
     w = hpo_step_weights(embed_steps(texts, encoder), traj.to(out.device), pos.to(out.device), batch.reward,
                          batch.uid, form=form, min_pos=min_pos, min_neg=min_neg, eps=eps, n_iter=n_iter, clip=clip,
-                         kernel=kernel, identity=getattr(encoder, "identity", False), info=info)
+                         kernel=kernel, identity=getattr(encoder, "identity", False), info=info, tol=tol)
     J = max(int(batch.step_index.max()) + 1, 1)
     W = torch.zeros(batch.rows, J, device=out.device)
     W[traj.to(out.device), pos.to(out.device)] = w
@@ -538,31 +649,93 @@ def hpo_advantage(batch: RolloutBatch, encoder: Callable | None = None, coef: fl
         log.append(dict(info, w=w.detach().cpu(), traj=traj, pos=pos))
     return hpo_advantages(out, W, batch.step_index, coef)
 
+
+def oracle_step_weights(episodes: Sequence[Any]) -> tuple[Tensor, Tensor, Tensor]:
+    """The oracle step credit (our positive control, not the paper's): w = +1 where the step's action has the
+    shortest-path intent of its state, -1 elsewhere; with the (trajectory, turn) indices of `step_table`."""
+    texts, traj, pos = step_table(episodes)
+    w = torch.zeros(len(texts))
+    intent = {a: i for i in INTENTS for a in PARAPHRASES[i]}
+    for k, t in enumerate(texts):
+        obs, _, act = t.partition(" | ")
+        st = parse_observation(obs)
+        if st is None:
+            raise ValueError(f"episodes: step {k} acted on {obs!r}, not a corridor state")
+        want = oracle_intent(st["pos"], st["key"], st["door_open"], st["goal"], st["door"])
+        w[k] = 1.0 if intent.get(act.strip()) == want else -1.0
+    return w, traj, pos
+
+
+def oracle_credit_advantage(batch: RolloutBatch, coef: float = 0.5) -> Tensor:
+    """(A_out + c * w_oracle) / (1 + c) on every turn [rows, T]: the step credit a perfect hindsight signal would give."""
+    if batch.step_index is None or not batch.episodes:
+        raise ValueError("batch: the oracle credit needs a multi-turn batch (step_index, episodes)")
+    out = grpo_advantage(batch)
+    w, traj, pos = oracle_step_weights(batch.episodes)
+    W = torch.zeros(batch.rows, max(int(batch.step_index.max()) + 1, 1), device=out.device)
+    W[traj.to(out.device), pos.to(out.device)] = w.to(out.device)
+    return hpo_advantages(out, W, batch.step_index, coef)
+
 # %% ../../nbs/rl/hpo.ipynb #604f309f
 ARMS = {
     "GRPO": dict(advantage="grpo"),
     "HPO (MiniLM)": dict(advantage="hpo", encoder="minilm", form="paper"),
     "HPO-onehot": dict(advantage="hpo", encoder="onehot", form="paper"),
-    "HPO-random": dict(advantage="hpo", encoder="random", form="paper"),
+    "HPO (oracle intents)": dict(advantage="hpo", encoder="oracle", form="paper"),
     "HPO (MiniLM, code form)": dict(advantage="hpo", encoder="minilm", form="code"),
     "HPO (MiniLM, group std)": dict(advantage="hpo", encoder="minilm", form="paper-group"),
     "HPO (MiniLM, clipped)": dict(advantage="hpo", encoder="minilm", form="paper-clip"),
+    "HPO (MiniLM, geomloss schedule)": dict(advantage="hpo", encoder="minilm", form="paper", solver="schedule"),
+    "Oracle step credit": dict(advantage="oracle"),
+    "Random step credit": dict(advantage="random"),
 }
 
 
-def make_encoders(minilm: IntentEncoder | None = None, seed: int = 0) -> dict[str, IntentEncoder]:
-    """The three intent spaces (MiniLM shared so its cache persists)."""
+def random_step_weights(episodes: Sequence[Any], reward: Tensor, uid: Tensor, generator: torch.Generator,
+                        min_pos: int = 4, min_neg: int = 4) -> tuple[Tensor, Tensor, Tensor]:
+    """The null step credit: w ~ N(0, 1) i.i.d. [n_steps] on the steps of the groups HPO would credit (>= min_pos
+    success and >= min_neg failure steps), 0 elsewhere; with the (trajectory, turn) indices of `step_table`."""
+    texts, traj, pos = step_table(episodes)
+    w = torch.zeros(len(texts))
+    success, g_of = (reward > 0)[traj], uid[traj]
+    for u in torch.unique(g_of).tolist():
+        ix = (g_of == u).nonzero().flatten()
+        n_pos = int(success[ix].sum())
+        if n_pos >= min_pos and len(ix) - n_pos >= min_neg:
+            w[ix] = torch.randn(len(ix), generator=generator)
+    return w, traj, pos
+
+
+def random_credit_advantage(batch: RolloutBatch, coef: float, generator: torch.Generator) -> Tensor:
+    """(A_out + c * w_random) / (1 + c) on every turn [rows, T]: a step credit of HPO's scale with no hindsight in it."""
+    out = grpo_advantage(batch)
+    w, traj, pos = random_step_weights(batch.episodes, batch.reward.cpu(), batch.uid.cpu(), generator)
+    W = torch.zeros(batch.rows, max(int(batch.step_index.max()) + 1, 1), device=out.device)
+    W[traj.to(out.device), pos.to(out.device)] = w.to(out.device)
+    return hpo_advantages(out, W, batch.step_index, coef)
+
+
+def make_encoders(minilm: IntentEncoder | None = None, seed: int = 0, n: int = 9) -> dict[str, IntentEncoder]:
+    """The intent spaces (MiniLM shared so its cache persists)."""
     return {"minilm": minilm if minilm is not None else MiniLMIntents(), "onehot": OneHotIntents(),
-            "random": RandomIntents(seed=seed)}
+            "oracle": OracleIntents(n), "random": RandomIntents(seed=seed)}
 
 
 def arm_advantage(arm: dict, batch: RolloutBatch, encoders: dict, coef: float, kernel: Callable = softmin,
-                  log: list | None = None, n_iter: int | None = None) -> Tensor:
-    """The advantage [rows, H] of one arm on a played batch."""
+                  log: list | None = None, n_iter: int | None = None, tol: float | None = None,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """The advantage [rows, H] of one arm on a played batch (`solver="schedule"`: the annealing schedule only, tol off;
+    the random credit draws from `generator`)."""
     if arm["advantage"] == "grpo":
         return grpo_advantage(batch)
+    if arm["advantage"] == "oracle":
+        return oracle_credit_advantage(batch, coef)
+    if arm["advantage"] == "random":
+        if generator is None:
+            raise ValueError("generator: the random step credit needs a torch.Generator (seeded per run)")
+        return random_credit_advantage(batch, coef, generator)
     return hpo_advantage(batch, encoder=encoders[arm["encoder"]], coef=coef, form=arm.get("form", "paper"),
-                         kernel=kernel, log=log, n_iter=n_iter)
+                         kernel=kernel, log=log, n_iter=n_iter, tol=None if arm.get("solver") == "schedule" else tol)
 
 
 def train_arm(arm: dict, warm: CorridorPolicy, seed: int, cfg: dict, encoders: dict, eval_configs: Sequence[tuple],
@@ -575,6 +748,7 @@ def train_arm(arm: dict, warm: CorridorPolicy, seed: int, cfg: dict, encoders: d
     opt = torch.optim.Adam(pol.parameters(), lr=cfg["lr"])
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     gv_rng, gv_gen = random.Random(seed + 777), torch.Generator().manual_seed(seed + 777)
+    noise_gen = torch.Generator().manual_seed(seed + 4242)  # the random credit's draws (no other arm uses it)
     cfgs = corridor_configs(env_kw.get("n", 9), env_kw.get("horizon", 12), env_kw.get("door", True))
     rows, gv, t0, train_succ, elig, advv = [], [], time.perf_counter(), [], [], []
     for u in range(cfg["updates"] + 1):
@@ -591,7 +765,7 @@ def train_arm(arm: dict, warm: CorridorPolicy, seed: int, cfg: dict, encoders: d
         batch = play(pol, _envs([rng.choice(cfgs) for _ in range(B)], G, env_kw), gen,
                      uid=[k for k in range(B) for _ in range(G)])
         log: list = []
-        adv = arm_advantage(arm, batch, encoders, cfg["coef"], kernel, log, cfg["n_iter"])
+        adv = arm_advantage(arm, batch, encoders, cfg["coef"], kernel, log, cfg["n_iter"], cfg.get("tol"), noise_gen)
         loss = policy_loss(pol, batch, adv, ref, cfg["beta_kl"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -612,7 +786,7 @@ def measure_grad_variance(pol: CorridorPolicy, ref: nn.Module, rng: random.Rando
     for _ in range(cfg["gradvar_batches"]):
         b = play(pol, _envs([rng.choice(cfgs) for _ in range(cfg["gradvar_prompts"])], cfg["group"], cfg["env_kw"]),
                  gen, uid=[k for k in range(cfg["gradvar_prompts"]) for _ in range(cfg["group"])])
-        for name, adv in (("grpo", grpo_advantage(b)), ("hpo", arm_advantage(hpo, b, encoders, cfg["coef"], kernel, None, cfg["n_iter"]))):
+        for name, adv in (("grpo", grpo_advantage(b)), ("hpo", arm_advantage(hpo, b, encoders, cfg["coef"], kernel, None, cfg["n_iter"], cfg.get("tol")))):
             grads[name].append(flat_grad(policy_loss(pol, b, adv, ref, 0.0), pol.parameters()))
     g, h = grad_variance(torch.stack(grads["grpo"])), grad_variance(torch.stack(grads["hpo"]))
     return {"grpo_trace": g["trace"], "hpo_trace": h["trace"], "grpo_rel": g["relative"], "hpo_rel": h["relative"],
@@ -623,7 +797,7 @@ def run_hpo(cfg: dict, arms: dict | None = None, encoders: dict | None = None, k
             progress: Callable[[str], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every arm x seed from the same per-seed warm start: (eval curves, gradient-variance rows at HPO's checkpoints)."""
     arms = ARMS if arms is None else arms
-    encoders = make_encoders() if encoders is None else encoders
+    encoders = make_encoders(n=cfg["env_kw"].get("n", 9)) if encoders is None else encoders
     env_kw = cfg["env_kw"]
     cfgs = corridor_configs(env_kw.get("n", 9), env_kw.get("horizon", 12), env_kw.get("door", True))
     erng = random.Random(12345)
