@@ -11,10 +11,11 @@ import torch.nn as nn
 from kimi_papers.core.kv import cache_layers, kv_geometry, rope_apply, rope_cos_sin, rope_undo, tiny_llama
 from kimi_papers.core.nn import LoRALinear, add_lora, apply_lora_factors, lora_factors, merge_lora
 from kimi_papers.serving.semantic_cache_distill import (
-    SCD, Payload, ReuseCodec, answer_f1, byte_codec, capture,
-    collect_calibration, consumer_logits, droidspeak_style, efficiency_k, encode_reuse, fake_quant, fit_lowrank,
-    fit_patch, fit_reuse, greedy_select, kl_per_token, kv_from_hidden, method_bytes,
-    Pair, qa_prompts, quantize_kv_4bit, raw_kv_transfer, reconstruct_reuse, run_seed, smollm2_pair, ttft_model)
+    SCD, Payload, ReuseCodec, capture, collect_calibration, consumer_logits, droidspeak_style, efficiency_k,
+    encode_reuse, fake_quant, fit_lowrank, fit_patch, fit_reuse, greedy_select, kl_per_token, kv_from_hidden,
+    quantize_kv_4bit, raw_kv_transfer, reconstruct_reuse)
+from kimi_papers.serving.semantic_cache_distill_experiment import (
+    Pair, answer_f1, byte_codec, method_bytes, qa_prompts, run_seed, smollm2_pair, ttft_model)
 
 torch.set_num_threads(1)
 
@@ -238,3 +239,19 @@ def test_scd_on_cuda(models, ids, calib):
     assert layers[0][0].is_cuda
     out = consumer_logits(b, layers, torch.randint(0, 256, (2, 3), device="cuda"), 20)
     assert out.is_cuda and torch.isfinite(out).all()
+
+
+def test_kl_per_token_is_the_core_kl_of_log_softmaxes_bit_for_bit():
+    """kl_per_token now calls core.token_stats.kl_categorical: the same float32 numbers as the expression it replaced."""
+    g = torch.Generator().manual_seed(3)
+    p, q = torch.randn(5, 7, 50, generator=g), torch.randn(5, 7, 50, generator=g)
+    lp, lq = p.float().log_softmax(-1), q.float().log_softmax(-1)
+    assert torch.equal(kl_per_token(p, q), (lp.exp() * (lp - lq)).sum(-1))
+
+
+def test_harness_names_moved_to_the_experiment_module():
+    import kimi_papers.serving.semantic_cache_distill as method
+    with pytest.warns(DeprecationWarning, match="semantic_cache_distill_experiment"):
+        assert method.run_seed is run_seed
+    with pytest.raises(AttributeError):
+        method.no_such_name

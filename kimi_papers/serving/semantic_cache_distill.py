@@ -5,10 +5,8 @@
 # %% ../../nbs/serving/semantic_cache_distill.ipynb #18c1cd6e
 from __future__ import annotations
 
-import string
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -16,174 +14,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.config import check_int
-from ..core.nn import LORA_TARGETS, add_lora, apply_lora_factors, lora_factors, merge_lora
+from ..core.config import check_int, moved_names
 from ..core.kv import cache_kwarg, cache_layers, kv_geometry, make_cache, output_cache, rope_apply, rope_cos_sin, rope_undo
+from ..core.token_stats import kl_categorical
 
 # %% auto #0
-__all__ = ['FIRST_NAMES', 'LAST_NAMES', 'ATTRIBUTES', 'SCD_DEFAULTS', 'F1_ARMS', 'qa_document', 'qa_text', 'QAPrompt',
-           'qa_prompts', 'qa_stream', 'packed_batches', 'normalize_answer', 'answer_f1', 'TextCodec', 'byte_codec',
-           'hf_codec', 'hf_lm_loss', 'lora_finetune', 'check_pair', 'absolute_positions', 'Taps', 'capture', 'Calib',
-           'collect_calibration', 'fit_lowrank', 'ReuseCodec', 'fit_reuse', 'PatchMLP', 'PatchCodec', 'fit_patch',
-           'reconstruct_reuse', 'encode_reuse', 'kv_from_hidden', 'Payload', 'SCD', 'fp16_roundtrip', 'raw_kv_transfer',
-           'fake_quant', 'quantize_kv_4bit', 'causal_mask', 'droidspeak_style', 'method_bytes', 'ttft_model',
-           'consumer_logits', 'kl_per_token', 'token_nll', 'greedy_answer', 'relative_error', 'greedy_select',
-           'efficiency_k', 'Pair', 'tiny_pair', 'smollm2_pair', 'fit_codecs', 'profile_layers', 'timed',
-           'evaluate_prompt', 'run_seed']
-
-# %% ../../nbs/serving/semantic_cache_distill.ipynb #1711ae23
-# The consumer's domain: templated extractive QA over short paragraphs about two invented people.
-FIRST_NAMES = ("Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas", "Keiko", "Lars",
-               "Maya", "Nikos", "Olga", "Pablo", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wim", "Xenia",
-               "Yusuf", "Zoe", "Amir", "Beatriz", "Cyril", "Dana", "Emil", "Freya")
-LAST_NAMES = ("Moreno", "Kowalski", "Tanaka", "Okafor", "Lindqvist", "Ferreira", "Novak", "Haddad", "Brennan", "Rossi",
-              "Nakamura", "Petrov", "Silva", "Dubois", "Keller", "Varga", "Osei", "Larsen", "Marsh", "Quispe")
-ATTRIBUTES = {
-    "city": (("Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Porto", "Quito", "Tbilisi", "Accra", "Krakow", "Perth",
-              "Bergen", "Cusco", "Dakar", "Graz", "Malmo", "Zagreb", "Leeds"),
-             "{n} was born in {v}.", "Where was {n} born?"),
-    "job": (("pilot", "baker", "nurse", "geologist", "carpenter", "librarian", "chemist", "plumber", "architect",
-             "dentist", "farmer", "jeweller", "surgeon", "translator", "welder", "zoologist"),
-            "{n} works as a {v}.", "What is {n}'s job?"),
-    "colour": (("teal", "amber", "crimson", "violet", "olive", "navy", "coral", "ivory", "maroon", "indigo", "scarlet",
-                "beige"), "{n}'s favourite colour is {v}.", "What is {n}'s favourite colour?"),
-    "pet": (("Kiwi", "Biscuit", "Pepper", "Mango", "Ziggy", "Olive", "Nacho", "Pixel", "Waffle", "Sushi", "Juniper",
-             "Tofu"), "{n} has a pet named {v}.", "What is the name of {n}'s pet?"),
-    "sport": (("tennis", "rugby", "hockey", "cricket", "fencing", "rowing", "squash", "curling", "judo", "polo"),
-              "{n} plays {v} on weekends.", "Which sport does {n} play?"),
-    "age": (tuple(str(a) for a in range(21, 80)), "{n} is {v} years old.", "How old is {n}?"),
-}
-
-
-def qa_document(rng: np.random.Generator, people: int = 2, facts: int = 3) -> tuple[str, list[tuple[str, str]]]:
-    """A paragraph of `facts` facts about each of `people` invented people, and every fact as a (question, answer)."""
-    check_int("people", people)
-    if not 1 <= facts <= len(ATTRIBUTES):
-        raise ValueError(f"facts={facts!r}: expected 1..{len(ATTRIBUTES)}")
-    names = rng.choice(len(FIRST_NAMES), people, replace=False)
-    sentences, qas = [], []
-    for i in names:
-        n = f"{FIRST_NAMES[i]} {LAST_NAMES[rng.integers(len(LAST_NAMES))]}"
-        for key in rng.choice(sorted(ATTRIBUTES), facts, replace=False):
-            values, fact, question = ATTRIBUTES[key]
-            v = values[rng.integers(len(values))]
-            sentences.append(fact.format(n=n, v=v))
-            qas.append((question.format(n=n), v))
-    order = rng.permutation(len(sentences))
-    qorder = rng.permutation(len(qas))
-    return " ".join(sentences[j] for j in order), [qas[j] for j in qorder]
-
-
-def qa_text(context: str, qas: Sequence[tuple[str, str]]) -> str:
-    """The training/evaluation format: the paragraph, then 'Question: ...' / 'Answer: ...' lines."""
-    return context + "\n" + "".join(f"Question: {q}\nAnswer: {a}\n" for q, a in qas)
-
-
-@dataclass
-class QAPrompt:
-    """One evaluation item: the prompt up to 'Answer:', its gold answer and the teacher-forced continuation text."""
-    prompt: str
-    answer: str
-    continuation: str
-
-
-def qa_prompts(n: int, seed: int) -> list[QAPrompt]:
-    """`n` fresh QA prompts; the continuation is the gold answer followed by the remaining question/answer lines."""
-    check_int("n", n)
-    rng = np.random.default_rng([seed, 7])
-    out = []
-    for _ in range(n):
-        ctx, qas = qa_document(rng)
-        (q, a), rest = qas[0], qas[1:]
-        out.append(QAPrompt(f"{ctx}\nQuestion: {q}\nAnswer:", a, f" {a}\n" + "".join(f"Question: {q2}\nAnswer: {a2}\n"
-                                                                                    for q2, a2 in rest)))
-    return out
-
-
-def qa_stream(seed: int, split: str) -> Iterator[str]:
-    """Endless QA documents; `split` ('train', 'calib', 'eval') draws from its own random stream."""
-    if split not in ("train", "calib", "eval"):
-        raise ValueError(f"split={split!r}: expected 'train', 'calib' or 'eval'")
-    rng = np.random.default_rng([seed, ("train", "calib", "eval").index(split)])
-    while True:
-        yield qa_text(*qa_document(rng))
-
-
-def packed_batches(encode: Callable[[str], list[int]], seed: int, batch: int, seq_len: int,
-                   split: str = "train") -> Iterator[Tensor]:
-    """Endless int64 [batch, seq_len + 1] rows of QA documents packed back to back (blank line between them)."""
-    check_int("batch", batch)
-    check_int("seq_len", seq_len)
-    docs, buf = qa_stream(seed, split), []
-    while True:
-        rows = []
-        for _ in range(batch):
-            while len(buf) < seq_len + 1:
-                buf += encode(next(docs) + "\n")
-            rows.append(buf[:seq_len + 1])
-            buf = buf[seq_len + 1:]
-        yield torch.tensor(rows, dtype=torch.long)
-
-
-def normalize_answer(s: str) -> list[str]:
-    """SQuAD-style answer words: lower case, no punctuation, no articles."""
-    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
-    return [w for w in s.split() if w not in ("a", "an", "the")]
-
-
-def answer_f1(pred: str, gold: str) -> float:
-    """Token-overlap F1 of two answers after SQuAD normalisation (1.0 when both are empty)."""
-    p, g = normalize_answer(pred), normalize_answer(gold)
-    if not p or not g:
-        return float(p == g)
-    common = sum(min(p.count(w), g.count(w)) for w in set(p))
-    if common == 0:
-        return 0.0
-    prec, rec = common / len(p), common / len(g)
-    return 2 * prec * rec / (prec + rec)
-
-# %% ../../nbs/serving/semantic_cache_distill.ipynb #78f120b7
-@dataclass
-class TextCodec:
-    """How a model pair turns text into ids and back (bytes for the tiny models, the tokenizer for SmolLM2)."""
-    encode: Callable[[str], list[int]]
-    decode: Callable[[Sequence[int]], str]
-    newline_ids: frozenset
-
-
-def byte_codec() -> TextCodec:
-    """UTF-8 bytes as ids (vocabulary 256)."""
-    return TextCodec(lambda s: list(s.encode()), lambda ids: bytes(list(ids)).decode(errors="replace"), frozenset({10}))
-
-
-def hf_codec(tok: Any) -> TextCodec:
-    """A Hugging Face tokenizer without special tokens; newline ids are the tokens whose text contains a newline."""
-    nl = frozenset(i for t, i in tok.get_vocab().items() if "\n" in tok.convert_tokens_to_string([t]))
-    return TextCodec(lambda s: tok.encode(s, add_special_tokens=False), lambda ids: tok.decode(list(ids)), nl)
-
-
-def hf_lm_loss(model: nn.Module, batch: Tensor) -> tuple[Tensor, dict]:
-    """Next-token cross-entropy of a Hugging Face causal LM on batch [B, T+1] (the core.train loss_fn shape)."""
-    logits = model(input_ids=batch[:, :-1]).logits
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
-    return ce, {"ce": ce.item()}
-
-
-def lora_finetune(model: nn.Module, batches: Iterator[Tensor], steps: int, rank: int = 16, alpha: float = 32.0,
-                  lr: float = 2e-3, seed: int = 0, targets: Sequence[str] = LORA_TARGETS,
-                  warmup: float = 0.02) -> tuple[nn.Module, dict, Any]:
-    """LoRA-fine-tune `model` in place with core.train (AdamW, linear warm-up over a `warmup` fraction of the steps, then
-    cosine), merge it; returns (model, factors, TrainResult)."""
-    from kimi_papers.core.train import train
-    check_int("steps", steps)
-    loras = add_lora(model, rank, alpha, targets, seed)
-    opt = torch.optim.AdamW([p for l in loras for p in (l.A, l.B)], lr=lr, weight_decay=0.0)
-    model.train()
-    res = train(model, batches, steps, lr=lr, warmup=warmup, optimizer=opt, loss_fn=hf_lm_loss, count_flops=False, progress=False,
-                log_every=max(1, steps // 10), desc="lora")
-    factors = lora_factors(model)
-    merge_lora(model)
-    return model.eval(), factors, res
+__all__ = ['check_pair', 'absolute_positions', 'Taps', 'capture', 'Calib', 'collect_calibration', 'fit_lowrank', 'ReuseCodec',
+           'fit_reuse', 'PatchMLP', 'PatchCodec', 'fit_patch', 'reconstruct_reuse', 'encode_reuse', 'kv_from_hidden',
+           'Payload', 'SCD', 'fp16_roundtrip', 'raw_kv_transfer', 'fake_quant', 'quantize_kv_4bit', 'causal_mask',
+           'droidspeak_style', 'consumer_logits', 'kl_per_token', 'greedy_select', 'efficiency_k']
 
 # %% ../../nbs/serving/semantic_cache_distill.ipynb #455ca574
 def check_pair(model_a: nn.Module, model_b: nn.Module) -> None:
@@ -574,28 +413,6 @@ def droidspeak_style(model_b: nn.Module, taps_a: Taps, start: int, width: int) -
             h = h[0] if isinstance(h, tuple) else h
     return out
 
-
-def method_bytes(method: str, T: int, geometry: Any, hidden: int, r_k: int = 64, r_v: int = 96, r_h: int = 192,
-                 k: int = 0, width: int = 0) -> int:
-    """Payload bytes of one request of T prefix tokens (fp16 elements; 4-bit = raw / 4 without scale metadata)."""
-    L, dkv = geometry.layers, geometry.kv_heads * geometry.head_dim
-    raw = T * L * 2 * dkv * 2
-    table = {"oracle": 0, "raw": raw, "kivi4": raw // 4,
-             "droidspeak": T * (L - width) * 2 * dkv * 2 + T * hidden * 2,
-             "scd": T * ((L - k) * (r_k + r_v) + k * r_h) * 2}
-    if method not in table:
-        raise ValueError(f"method={method!r}: expected one of {sorted(table)}")
-    return table[method]
-
-
-def ttft_model(payload_bytes: float, bw_gbps: float, recon_s: float, prefill_s: float) -> dict:
-    """Modeled time to first token: transfer (bytes / bandwidth) + reconstruction, and speedup over B's own prefill."""
-    if not bw_gbps > 0:
-        raise ValueError(f"bw_gbps={bw_gbps!r}: expected a bandwidth > 0 in Gbit/s")
-    transfer = payload_bytes * 8 / (bw_gbps * 1e9)
-    ttft = transfer + recon_s
-    return {"transfer_s": transfer, "ttft_s": ttft, "speedup": prefill_s / ttft if ttft > 0 else float("inf")}
-
 # %% ../../nbs/serving/semantic_cache_distill.ipynb #87c346a2
 @torch.no_grad()
 def consumer_logits(model_b: nn.Module, layers: Sequence, tail: Tensor, start: int) -> Tensor:
@@ -608,37 +425,7 @@ def consumer_logits(model_b: nn.Module, layers: Sequence, tail: Tensor, start: i
 def kl_per_token(logits_p: Tensor, logits_q: Tensor) -> Tensor:
     """KL(p || q) in nats for each position, from logits [..., V]."""
     lp, lq = logits_p.float().log_softmax(-1), logits_q.float().log_softmax(-1)
-    return (lp.exp() * (lp - lq)).sum(-1)
-
-
-def token_nll(logits: Tensor, targets: Tensor) -> Tensor:
-    """Negative log-likelihood (nats) of `targets` [..] under logits [.., V]."""
-    return -logits.float().log_softmax(-1).gather(-1, targets[..., None])[..., 0]
-
-
-@torch.no_grad()
-def greedy_answer(model_b: nn.Module, layers: Sequence, first: Tensor, start: int, max_new: int,
-                  stop_ids: frozenset) -> list[int]:
-    """Greedy tokens B writes after a prefix cache, feeding `first` [1, 1] at position `start`; stops at a newline id."""
-    dt = next(model_b.parameters()).dtype
-    cache = make_cache([(k.to(dt), v.to(dt)) for k, v in layers])
-    tok, out = first, []
-    for i in range(max_new):
-        logits = model_b(input_ids=tok, position_ids=absolute_positions(tok, start + i), use_cache=True,
-                         **{cache_kwarg(model_b): cache}).logits[0, -1]
-        nxt = int(logits.argmax())
-        if nxt in stop_ids:
-            break
-        out.append(nxt)
-        tok = torch.tensor([[nxt]], device=first.device)
-    return out
-
-
-def relative_error(layers: Sequence, reference: Sequence) -> tuple[list[float], list[float]]:
-    """Per-layer ||K - K_ref|| / ||K_ref|| and the same for V."""
-    ek = [((k.float() - kr.float()).norm() / kr.float().norm()).item() for (k, _), (kr, _) in zip(layers, reference)]
-    ev = [((v.float() - vr.float()).norm() / vr.float().norm()).item() for (_, v), (_, vr) in zip(layers, reference)]
-    return ek, ev
+    return kl_categorical(lp, lq)
 
 
 def greedy_select(kl_of: Callable[[Sequence[int]], float], candidates: Sequence[int], k_max: int) -> tuple[list[int], list[float]]:
@@ -665,201 +452,12 @@ def efficiency_k(kl_curve: Sequence[float], cost: float = 1.0) -> int:
     gains = [(kl_curve[0] - kl_curve[k]) / (cost * k) for k in range(1, len(kl_curve))]
     return int(np.argmax(gains)) + 1
 
-# %% ../../nbs/serving/semantic_cache_distill.ipynb #36132916
-@dataclass
-class Pair:
-    """A producer / consumer pair of one architecture and how to tokenize for them."""
-    a: nn.Module
-    b: nn.Module
-    text: TextCodec
-    info: dict = field(default_factory=dict)
 
-
-def tiny_pair(seed: int = 0, layers: int = 4, pre_steps: int = 80, ft_steps: int = 40, rank: int = 8) -> Pair:
-    """Smoke pair: a core.kv tiny Llama (byte vocabulary) trained on stdlib code (A), then LoRA-fine-tuned on the QA
-    domain and merged (B)."""
-    import copy
-    from kimi_papers.core.kv import tiny_llama
-    from kimi_papers.core.train import stdlib_corpus, train
-    a = tiny_llama(vocab=256, d=64, layers=layers, heads=4, kv_heads=2, seed=seed)
-    corpus = stdlib_corpus(max_train_bytes=400_000)
-    pre = train(a, corpus.batches(4, 64, seed=seed), pre_steps, lr=3e-3, loss_fn=hf_lm_loss, count_flops=False,
-                progress=False, desc="tiny A")
-    b = copy.deepcopy(a)
-    codec = byte_codec()
-    _, factors, ft = lora_finetune(b, packed_batches(codec.encode, seed, 4, 64), ft_steps, rank=rank, alpha=2 * rank,
-                                   lr=1e-2, seed=seed)
-    return Pair(a.eval(), b.eval(), codec, {"pretrain_loss": pre.final_loss, "finetune_loss": ft.final_loss,
-                                             "finetune_curve": ft.history, "factors": factors})
-
-
-def smollm2_pair(ft_steps: int = 40, rank: int = 16, alpha: float = 32.0, lr: float = 5e-3, batch: int = 4,
-                 seq_len: int = 96, seed: int = 0, device: str = "cpu", warmup: float = 0.02) -> Pair:
-    """A = SmolLM2-135M-Instruct; B = A LoRA-fine-tuned on the QA domain (rank `rank` on q,k,v,o,gate,up,down of
-    every layer), merged. The LoRA factors are built once into the model cache (core.models.ensure_cache)."""
-    import json
-    from safetensors.torch import load_file, save_file
-    from kimi_papers.core.io import atomic_write, atomic_write_text
-    from kimi_papers.core.models import ensure_cache, load_smollm2, smollm2_source
-    check_int("seq_len", seq_len)
-    if seq_len > 128:
-        raise ValueError(f"seq_len={seq_len}: expected at most 128 tokens (the CPU fine-tune budget)")
-    source = {"base": smollm2_source(), "steps": ft_steps, "rank": rank, "alpha": alpha, "lr": lr, "batch": batch,
-              "seq_len": seq_len, "seed": seed, "warmup": warmup, "data": "qa_stream v1", "targets": list(LORA_TARGETS)}
-
-    def build(folder):
-        model, tok = load_smollm2("cpu")
-        t0 = time.perf_counter()
-        _, factors, res = lora_finetune(model, packed_batches(hf_codec(tok).encode, seed, batch, seq_len), ft_steps,
-                                        rank=rank, alpha=alpha, lr=lr, seed=seed, warmup=warmup)
-        atomic_write(folder / "lora.safetensors", lambda tmp: save_file(factors, str(tmp)))
-        atomic_write_text(folder / "train.json", json.dumps({"history": res.history.to_dict(orient="list"),
-                                                            "seconds": time.perf_counter() - t0}))
-
-    name = f"scd-consumer-smollm2-r{rank}-s{ft_steps}-lr{lr:g}-T{seq_len}-b{batch}-seed{seed}-w{warmup:g}"
-    folder = ensure_cache(name, build, source)
-    a, tok = load_smollm2(device)
-    b, _ = load_smollm2(device)
-    apply_lora_factors(b, load_file(str(folder / "lora.safetensors")), alpha)
-    info = json.loads((folder / "train.json").read_text())
-    return Pair(a, b.eval(), hf_codec(tok), {"cache": str(folder), **info})
-
-# %% ../../nbs/serving/semantic_cache_distill.ipynb #e1faa58a
-SCD_DEFAULTS = dict(n_calib=16, calib_len=128, r_k=64, r_v=96, r_h=192, ridge=1e-3, patch_hidden=512, patch_steps=200,
-                    n_profile=2, profile_ctx=64, profile_tail=12, k=5, k_max=5, width=5, n_eval=30, n_cont=24,
-                    max_new=8, ks=(0, 1, 3, 5), error_prompts=4)
-F1_ARMS = ("oracle", "raw", "kivi4", "droidspeak", "scd_k0", "scd")
-
-
-def fit_codecs(calib: Calib, cfg: dict, seed: int = 0, patch_layers: Sequence[int] | None = None,
-               patch_steps: int | None = None) -> tuple[dict, dict]:
-    """Reuse codecs for every layer and Patch codecs for `patch_layers` (default all) trained `patch_steps` steps."""
-    reuse = {l: fit_reuse(calib, l, cfg["r_k"], cfg["r_v"], cfg["ridge"]) for l in range(calib.layers)}
-    layers = range(calib.layers) if patch_layers is None else patch_layers
-    steps = cfg["patch_steps"] if patch_steps is None else patch_steps
-    patch = {l: fit_patch(calib, l, cfg["r_h"], cfg["patch_hidden"], steps, ridge=cfg["ridge"], seed=seed + l)
-             for l in layers}
-    return reuse, patch
-
-
-def _oracle_layers(taps: Taps) -> list:
-    return list(zip(taps.keys, taps.values))
-
-
-def profile_layers(pair: Pair, reuse: dict, patch: dict, cfg: dict, seed: int) -> dict:
-    """Greedy Patch-layer order and KL curve, and the best DroidSpeak window start, on a profiling set drawn from the
-    calibration stream (not the evaluation prompts)."""
-    A, B = pair.a, pair.b
-    L = kv_geometry(B).layers
-    n_ctx, n_tail = cfg["profile_ctx"], cfg["profile_tail"]
-    rows = next(packed_batches(pair.text.encode, seed + 10_000, cfg["n_profile"], n_ctx + n_tail, "calib"))
-    rows = rows.to(next(B.parameters()).device)
-    ctx, tail = rows[:, :n_ctx], rows[:, n_ctx:n_ctx + n_tail]
-    ta, tb = capture(A, ctx), capture(B, ctx)
-    ref = consumer_logits(B, _oracle_layers(tb), tail, n_ctx)
-    as_reuse = SCD(B, reuse, patch, []).decode(SCD(B, reuse, patch, []).encode(ta))
-    full = SCD(B, reuse, patch, list(range(L)))
-    as_patch = full.decode(full.encode(ta))
-    kl = lambda layers: kl_per_token(ref, consumer_logits(B, layers, tail, n_ctx)).mean().item()
-    kl_of = lambda S: kl([as_patch[l] if l in S else as_reuse[l] for l in range(L)])
-    order, curve = greedy_select(kl_of, list(range(L)), cfg["k_max"])
-    starts = {s: kl(droidspeak_style(B, ta, s, cfg["width"])) for s in range(L - cfg["width"] + 1)}
-    return {"order": order, "curve": curve, "droid_start": min(starts, key=starts.get), "droid_kl": starts,
-            "k_argmax": efficiency_k(curve)}
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    """(fn(), seconds)."""
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
-
-
-@torch.no_grad()
-def evaluate_prompt(pair: Pair, item: QAPrompt, codecs: tuple, prof: dict, cfg: dict, decoder: Callable | None = None) -> dict:
-    """Every arm on one QA prompt: KL(oracle || arm) and NLL over the continuation, greedy-answer F1, bytes, times."""
-    A, B, text = pair.a, pair.b, pair.text
-    reuse, patch, linear = (*codecs, None) if len(codecs) == 2 else codecs
-    p_ids, c_ids = text.encode(item.prompt), text.encode(item.continuation)[:cfg["n_cont"]]
-    if len(p_ids) < 2 or not c_ids:
-        raise ValueError("item: expected a prompt of at least 2 tokens and a non-empty continuation")
-    dev = next(B.parameters()).device
-    ctx = torch.tensor([p_ids[:-1]], device=dev)
-    first = torch.tensor([[p_ids[-1]]], device=dev)
-    tail = torch.tensor([[p_ids[-1]] + c_ids[:-1]], device=dev)
-    tgt = torch.tensor([c_ids], device=dev)
-    T = ctx.shape[1]
-    ta = capture(A, ctx)
-    tb, t_prefill = timed(lambda: capture(B, ctx))
-    oracle = _oracle_layers(tb)
-    order, ks = prof["order"], sorted(set(cfg["ks"]) | {cfg["k"], prof["k_argmax"]})
-    arms = {"oracle": oracle, "raw": raw_kv_transfer(ta)}
-    arms["kivi4"] = quantize_kv_4bit(arms["raw"])
-    arms["droidspeak"] = droidspeak_style(B, ta, prof["droid_start"], cfg["width"])
-    recon = {}
-    for k in ks:
-        scd = SCD(B, reuse, patch, order[:k], decoder)
-        payload = scd.encode(ta)
-        arms[f"scd_k{k}"], recon[k] = timed(lambda: scd.decode(payload))
-        assert payload.nbytes == method_bytes("scd", T, kv_geometry(B), B.config.hidden_size, cfg["r_k"], cfg["r_v"],
-                                              cfg["r_h"], k), "payload bytes disagree with the accounting"
-    arms["scd"] = arms[f"scd_k{cfg['k']}"]
-    if linear is not None:                    # sensitivity: the linear Patch codec the profiling scored, at the headline k
-        lin = SCD(B, reuse, linear, order[:cfg["k"]], decoder)
-        arms["scd_linear"] = lin.decode(lin.encode(ta))
-    arms["oracle_patch"] = [oracle[l] if l in order[:cfg["k"]] else arms["scd_k0"][l] for l in range(len(oracle))]
-    ref = consumer_logits(B, oracle, tail, T)
-    geo, hid = kv_geometry(B), B.config.hidden_size
-    bytes_of = {"oracle": 0, "raw": method_bytes("raw", T, geo, hid), "kivi4": method_bytes("kivi4", T, geo, hid),
-                "droidspeak": method_bytes("droidspeak", T, geo, hid, width=cfg["width"]),
-                **{f"scd_k{k}": method_bytes("scd", T, geo, hid, cfg["r_k"], cfg["r_v"], cfg["r_h"], k) for k in ks}}
-    bytes_of["scd"], bytes_of["oracle_patch"] = bytes_of[f"scd_k{cfg['k']}"], float("nan")
-    bytes_of["scd_linear"] = bytes_of["scd"]
-    rows = []
-    for name, layers in arms.items():
-        logits = ref if name == "oracle" else consumer_logits(B, layers, tail, T)
-        f1 = float("nan")
-        if name in F1_ARMS:
-            f1 = answer_f1(text.decode(greedy_answer(B, layers, first, T, cfg["max_new"], text.newline_ids)), item.answer)
-        rows.append({"arm": name, "kl": kl_per_token(ref, logits).mean().item(), "nll": token_nll(logits, tgt).mean().item(),
-                     "f1": f1, "bytes": bytes_of[name], "T": T})
-    own = answer_f1(text.decode(greedy_answer(A, _oracle_layers(ta), first, T, cfg["max_new"], text.newline_ids)), item.answer)
-    rows.append({"arm": "producer_A", "kl": float("nan"), "nll": float("nan"), "f1": own, "bytes": float("nan"), "T": T})
-    errors = {name: relative_error(arms[name], oracle) for name in ("raw", "scd_k0", "scd")}
-    return {"rows": rows, "errors": errors, "t_prefill": t_prefill, "t_recon": recon[cfg["k"]], "T": T}
-
-
-def run_seed(pair: Pair, seed: int, cfg: dict | None = None, decoder: Callable | None = None,
-             progress: Callable[[str], None] | None = None) -> dict:
-    """One calibration/evaluation split: calibrate, fit codecs, profile layers, evaluate every arm on fresh prompts."""
-    import pandas as pd
-    cfg = {**SCD_DEFAULTS, **(cfg or {})}
-    say = progress or (lambda s: None)
-    t0 = time.perf_counter()
-    gen = packed_batches(pair.text.encode, seed, 1, cfg["calib_len"] - 1, "calib")
-    calib = collect_calibration(pair.a, pair.b, [next(gen)[0] for _ in range(cfg["n_calib"])])
-    t_cal = time.perf_counter()
-    reuse, linear = fit_codecs(calib, cfg, seed, patch_steps=0)        # candidates scored with the linear Patch codec
-    t_fit = time.perf_counter()
-    prof = profile_layers(pair, reuse, linear, cfg, seed)
-    t_prof = time.perf_counter()
-    patch = {l: fit_patch(calib, l, cfg["r_h"], cfg["patch_hidden"], cfg["patch_steps"], ridge=cfg["ridge"], seed=seed + l)
-             for l in prof["order"]}                                    # the MLP is trained for the selected layers only
-    codecs = (reuse, patch, linear)
-    t_mlp = time.perf_counter()
-    say(f"seed {seed}: calibration {t_cal - t0:.0f} s, codecs {t_fit - t_cal:.0f} s, profiling {t_prof - t_fit:.0f} s, "
-        f"patch MLPs {t_mlp - t_prof:.0f} s; patch order {prof['order']}, argmax-k {prof['k_argmax']}, "
-        f"DroidSpeak start {prof['droid_start']}")
-    rows, errs, timing = [], [], []
-    for i, item in enumerate(qa_prompts(cfg["n_eval"], seed)):
-        r = evaluate_prompt(pair, item, codecs, prof, cfg, decoder)
-        rows += [{**row, "seed": seed, "prompt": i} for row in r["rows"]]
-        if i < cfg["error_prompts"]:
-            errs.append(r["errors"])
-        timing.append({"seed": seed, "prompt": i, "t_prefill": r["t_prefill"], "t_recon": r["t_recon"], "T": r["T"]})
-    say(f"seed {seed}: evaluation {time.perf_counter() - t_mlp:.0f} s")
-    err = {name: (np.mean([e[name][0] for e in errs], 0), np.mean([e[name][1] for e in errs], 0)) for name in errs[0]}
-    mse = pd.DataFrame([{"layer": l, "patch_mse": patch[l].mse, "patch_linear_mse": patch[l].linear_mse,
-                         "hb_var": calib.hb[l].var().item()} for l in prof["order"]])
-    return {"seed": seed, "table": pd.DataFrame(rows), "errors": err, "profile": prof, "timing": pd.DataFrame(timing),
-            "codec_mse": mse, "seconds": time.perf_counter() - t0, "cfg": cfg}
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, (
+    "FIRST_NAMES", "LAST_NAMES", "ATTRIBUTES", "qa_document", "qa_text", "QAPrompt", "qa_prompts", "qa_stream",
+    "packed_batches", "normalize_answer", "answer_f1", "TextCodec", "byte_codec", "hf_codec", "hf_lm_loss",
+    "lora_finetune", "method_bytes", "ttft_model", "token_nll", "greedy_answer", "relative_error", "Pair",
+    "tiny_pair", "smollm2_pair",
+    "SCD_DEFAULTS", "F1_ARMS", "fit_codecs", "profile_layers", "timed", "evaluate_prompt", "run_seed"),
+    "kimi_papers.serving.semantic_cache_distill_experiment")
