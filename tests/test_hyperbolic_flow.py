@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kimi_papers.architectures import hyperbolic_flow as H
+from kimi_papers.architectures import hyperbolic_flow_experiment as X
 
 
 def needs_cuda(fn):
@@ -51,18 +52,18 @@ def test_corridor_kernel_equals_loop_and_is_differentiable():
 
 def _task():
     text = torch.nn.functional.normalize(torch.randn(4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64), dim=-1)
-    return H.make_hierarchy_benchmark(text, torch.tensor([0, 0, 1, 1]), 3, 0.5, 0, n_test=5)
+    return X.make_hierarchy_benchmark(text, torch.tensor([0, 0, 1, 1]), 3, 0.5, 0, n_test=5)
 
 
 def test_hfm_training_is_seeded_and_uses_lift():
     task, cfg = _task(), H.FlowConfig(steps=6, blocks=1, width=16, path_loss=True, stopping="diameter")
-    a, b = H.train_hfm(task, cfg, 1, warmup_steps=5), H.train_hfm(task, cfg, 1, warmup_steps=5)
+    a, b = X.train_hfm(task, cfg, 1, warmup_steps=5), X.train_hfm(task, cfg, 1, warmup_steps=5)
     assert a.losses == b.losses and a.lift == b.lift
     assert a.lift.alpha_t <= 0.5 * a.lift.alpha_i
     out = a.predict(task.x_test)
     assert out.pred.shape == (20,) and out.path.shape == (11, 20, 9)
     assert (H.lorentz_inner(out.path, out.path) + 1 / a.geo.k).abs().max() < 1e-8
-    plain = H.train_hfm(task, cfg, 1, centripetal=False)
+    plain = X.train_hfm(task, cfg, 1, centripetal=False)
     assert plain.lift == H.LiftParams(1.0, 1.0, 1.0)
 
 
@@ -72,14 +73,14 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="t:"):
         H.geodesic(_pts(2), _pts(2, seed=1), 1.5, 0.6)
     with pytest.raises(ValueError, match="shots"):
-        H.make_hierarchy_benchmark(torch.randn(4, 8), torch.tensor([0, 0, 1, 1]), 0, 0.5, 0)
+        X.make_hierarchy_benchmark(torch.randn(4, 8), torch.tensor([0, 0, 1, 1]), 0, 0.5, 0)
 
 
 @needs_cuda
 def test_hfm_on_cuda():
     task = _task()
-    cuda = H.FewShot(*(t.cuda() for t in (task.x_sup, task.y_sup, task.x_test, task.y_test, task.text, task.super_of)))
-    m = H.train_hfm(cuda, H.FlowConfig(steps=3, blocks=1, width=16, path_loss=True, stopping="diameter"), 0, warmup_steps=3)
+    cuda = X.FewShot(*(t.cuda() for t in (task.x_sup, task.y_sup, task.x_test, task.y_test, task.text, task.super_of)))
+    m = X.train_hfm(cuda, H.FlowConfig(steps=3, blocks=1, width=16, path_loss=True, stopping="diameter"), 0, warmup_steps=3)
     out = m.predict(cuda.x_test)
     assert out.pred.device.type == "cuda"
     xh, x0, anc = (p.cuda() for p in (_pts(8), _pts(8, seed=1), _pts(3, seed=2)))
@@ -117,13 +118,13 @@ def test_clipping_warns_and_domain_is_accurate():
 
 def test_run_task_trains_each_arm_at_its_own_lr():
     task, cfg = _task(), H.FlowConfig(steps=4, blocks=1, width=16)
-    rows = H.run_task(task, cfg, 0, ablations=True, warmup_steps=3, lrs={"FMA": 1e-3, "HFM": 3e-3})
+    rows = X.run_task(task, cfg, 0, ablations=True, warmup_steps=3, lrs={"FMA": 1e-3, "HFM": 3e-3})
     lr = {r["arm"]: r.get("lr") for r in rows}
     assert lr["FMA"] == 1e-3 and lr["HFM"] == 3e-3 and lr["Euclid + path losses"] == cfg.lr
     assert lr["HFM fixed steps"] == 3e-3                                    # the HFM net, re-integrated
     assert all(r["max_radius"] <= H.ACCURATE_RADIUS[torch.float64] for r in rows if "max_radius" in r)
     with pytest.raises(ValueError, match="unknown arms"):
-        H.run_task(task, cfg, 0, lrs={"GPT": 1e-3})
+        X.run_task(task, cfg, 0, lrs={"GPT": 1e-3})
 
 
 def test_tune_lrs_extends_at_the_edge(monkeypatch):
@@ -139,12 +140,20 @@ def test_tune_lrs_extends_at_the_edge(monkeypatch):
             n = len(x)
             acc = max(0.0, 1 - abs(math.log10(self.lr / best[self.arm])) / 3)
             return type("P", (), {"pred": torch.tensor([0] * round(acc * n) + [1] * (n - round(acc * n)))})()
-    monkeypatch.setattr(H, "train_arm", lambda arm, task, cfg, seed, w=200: (_Fake(arm, cfg.lr), "dist"))
-    monkeypatch.setattr(H, "make_hierarchy_benchmark", lambda *a, **k: type("T", (), {
+    monkeypatch.setattr(X, "train_arm", lambda arm, task, cfg, seed, w=200: (_Fake(arm, cfg.lr), "dist"))
+    monkeypatch.setattr(X, "make_hierarchy_benchmark", lambda *a, **k: type("T", (), {
         "x_test": torch.zeros(100, 8), "y_test": torch.zeros(100, dtype=torch.long)})())
-    table, lrs = H.tune_lrs(text, torch.tensor([0, 0, 1, 1]), H.FlowConfig(), [1e-4, 10 ** -3.5, 1e-3], 100, [4], 0.5,
+    table, lrs = X.tune_lrs(text, torch.tensor([0, 0, 1, 1]), H.FlowConfig(), [1e-4, 10 ** -3.5, 1e-3], 100, [4], 0.5,
                             arms=("FMA", "HFM"), max_extend=2)
     assert lrs["HFM"] == pytest.approx(1e-3) and len(table[table.arm == "HFM"]) == 4      # one step up, then interior
     assert lrs["FMA"] == pytest.approx(1e-2, rel=1e-3) and len(table[table.arm == "FMA"]) == 5      # two steps up (the cap)
     with pytest.raises(ValueError, match="grid"):
-        H.tune_lrs(text, torch.tensor([0, 0, 1, 1]), H.FlowConfig(), [1e-3], 100, [4], 0.5)
+        X.tune_lrs(text, torch.tensor([0, 0, 1, 1]), H.FlowConfig(), [1e-3], 100, [4], 0.5)
+
+
+def test_moved_harness_names_resolve_with_a_warning():
+    """Names that moved to hyperbolic_flow_experiment in the module split still import from hyperbolic_flow (deprecated)."""
+    with pytest.warns(DeprecationWarning, match="hyperbolic_flow_experiment"):
+        assert H.train_hfm is X.train_hfm and H.run_experiment is X.run_experiment
+    with pytest.raises(AttributeError, match="no_such_name"):
+        H.no_such_name

@@ -6,27 +6,22 @@ geodesic corridors, with step-wise path supervision and a diameter-based stoppin
 # %% ../../nbs/architectures/hyperbolic_flow.ipynb #708a964d
 from __future__ import annotations
 import math
-from dataclasses import asdict, dataclass, field, replace
-import time
+from dataclasses import dataclass
 import warnings
-from typing import Any, Callable, Sequence
-import numpy as np
-import pandas as pd
+from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
 from ..core.train import cosine_lr
 
 # %% auto #0
-__all__ = ['MAX_NORM', 'EPS', 'ACCURATE_RADIUS', 'corridor_dists_compiled', 'SUPER', 'MAIN', 'ABLATIONS', 'TRAINED_ARMS',
-           'LorentzDomainWarning', 'radius', 'lorentz_inner', 'reproject', 'expmap0', 'logmap0', 'lorentz_dist',
-           'proj_tangent', 'expmap', 'logmap', 'geodesic', 'corridor_dists', 'corridor_dists_loop', 'FewShot',
-           'text_anchors', 'make_hierarchy_benchmark', 'zero_shot', 'linear_probe', 'AdaLNBlock', 'time_embedding',
-           'VelocityNet', 'Euclid', 'Lorentz', 'FlowConfig', 'path_losses', 'train_flow', 'FlowPrediction', 'integrate',
-           'path_crossing', 'LiftParams', 'lift', 'cone_hinge', 'fit_centripetal', 'Trained', 'train_fma', 'train_hfm',
-           'train_arm', 'run_task', 'tune_lrs', 'run_experiment']
+__all__ = ['MAX_NORM', 'EPS', 'ACCURATE_RADIUS', 'corridor_dists_compiled', 'LorentzDomainWarning', 'radius', 'lorentz_inner',
+           'reproject', 'expmap0', 'logmap0', 'lorentz_dist', 'proj_tangent', 'expmap', 'logmap', 'geodesic',
+           'corridor_dists', 'corridor_dists_loop', 'AdaLNBlock', 'time_embedding', 'VelocityNet', 'Euclid', 'Lorentz',
+           'FlowConfig', 'path_losses', 'train_flow', 'FlowPrediction', 'integrate', 'LiftParams', 'lift', 'cone_hinge',
+           'fit_centripetal']
 
 # %% ../../nbs/architectures/hyperbolic_flow.ipynb #7b910a12
 MAX_NORM = 15.0          # sqrt(k)*|v| cap: cosh(15) ~ 1.6e6 stays finite in float32; clipping warns
@@ -172,74 +167,6 @@ def corridor_dists_loop(xhat: Tensor, x0: Tensor, anchors: Tensor, t: float, k: 
 
 
 corridor_dists_compiled = compile_fn(corridor_dists)
-
-# %% ../../nbs/architectures/hyperbolic_flow.ipynb #137b1435
-SUPER = {"animal": ("dog", "cat", "horse", "eagle"), "vehicle": ("car", "bus", "bicycle", "airplane"),
-         "fruit": ("apple", "banana", "cherry", "grape"), "furniture": ("chair", "table", "sofa", "bed")}
-
-
-@dataclass
-class FewShot:
-    """One few-shot task: support/test features [n, d] float64 with labels [n] long, text anchors [C, d], super-class of each class [C]."""
-    x_sup: Tensor
-    y_sup: Tensor
-    x_test: Tensor
-    y_test: Tensor
-    text: Tensor
-    super_of: Tensor
-
-
-def text_anchors(dim: int = 64, seed: int = 0, device: str = "cpu") -> tuple[Tensor, Tensor, list[str]]:
-    """Real MiniLM embeddings of "a photo of a {name}" for the 16 classes, projected 384 -> dim by a seeded orthonormal map:
-    (anchors [16, dim] float64 unit-norm, super-class index [16] long, names)."""
-    from kimi_papers.core.models import embed, load_minilm
-    names = [n for group in SUPER.values() for n in group]
-    sup = torch.tensor([i for i, group in enumerate(SUPER.values()) for _ in group])
-    model, tok = load_minilm("cpu")
-    e = embed([f"a photo of a {n}" for n in names], model, tok).double()
-    g = torch.Generator().manual_seed(seed)
-    P, _ = torch.linalg.qr(torch.randn(e.shape[1], dim, generator=g, dtype=torch.float64))
-    t = e @ P
-    return (t / t.norm(dim=-1, keepdim=True)).to(device), sup.to(device), names
-
-
-def make_hierarchy_benchmark(text: Tensor, super_of: Tensor, shots: int, sigma: float, seed: int, *, n_test: int = 50,
-                             sigma_super: float = 0.5, gap: float = 1.0, twist: float = 1.5) -> FewShot:
-    """Synthetic image features x = R t_c + g + sigma_super * zeta_super + sigma * eps (un-normalised: the norm is the depth),
-    R a random rotation of angle scale `twist` (modality mismatch), g a shared modality gap; seeded."""
-    check_int("shots", shots)
-    if sigma < 0 or sigma_super < 0:
-        raise ValueError(f"sigma={sigma}, sigma_super={sigma_super}: expected >= 0")
-    C, d = text.shape
-    g = torch.Generator().manual_seed(seed)
-    A = torch.randn(d, d, generator=g, dtype=torch.float64) / math.sqrt(d)
-    R = torch.linalg.matrix_exp(twist * (A - A.T) / 2)
-    gap_v = torch.randn(d, generator=g, dtype=torch.float64)
-    gap_v = gap * gap_v / gap_v.norm()
-    zeta = torch.randn(int(super_of.max()) + 1, d, generator=g, dtype=torch.float64)
-    zeta = sigma_super * zeta / zeta.norm(dim=-1, keepdim=True)
-
-    def draw(n: int) -> tuple[Tensor, Tensor]:
-        y = torch.arange(C).repeat_interleave(n)
-        eps = torch.randn(len(y), d, generator=g, dtype=torch.float64) / math.sqrt(d)
-        return text.cpu()[y] @ R.T + gap_v + zeta[super_of.cpu()[y]] + sigma * eps, y
-    xs, ys = draw(shots)
-    xt, yt = draw(n_test)
-    dev = text.device
-    return FewShot(xs.to(dev), ys.to(dev), xt.to(dev), yt.to(dev), text, super_of)
-
-
-def zero_shot(task: FewShot) -> Tensor:
-    """Cosine-similarity classification of the test features against the text anchors: predictions [n_test]."""
-    xn = task.x_test / task.x_test.norm(dim=-1, keepdim=True)
-    return (xn @ task.text.T).argmax(-1)
-
-
-def linear_probe(task: FewShot, seed: int = 0) -> Tensor:
-    """Logistic regression on the support features (scikit-learn, C = 1): predictions [n_test]."""
-    from sklearn.linear_model import LogisticRegression
-    clf = LogisticRegression(C=1.0, max_iter=2000, random_state=seed).fit(task.x_sup.cpu().numpy(), task.y_sup.cpu().numpy())
-    return torch.as_tensor(clf.predict(task.x_test.cpu().numpy()), device=task.x_test.device)
 
 # %% ../../nbs/architectures/hyperbolic_flow.ipynb #78c0ee08
 class AdaLNBlock(nn.Module):
@@ -487,17 +414,6 @@ def _classify(geo: Any, x: Tensor, anchors: Tensor, rule: str) -> Tensor:
         return geo.dist(x[:, None], anchors[None]).argmin(-1)
     raise ValueError(f"classify={rule!r}: expected 'dist' or 'cosine'")
 
-
-def path_crossing(geo: Any, path: Tensor, anchors: Tensor, labels: Tensor, pred: Tensor, rule: str = "dist") -> dict:
-    """Crossing rate: share of test points whose nearest anchor halfway along the path is wrong although the final
-    prediction is right; and the mean number of nearest-anchor switches along the path [S+1, n, D]."""
-    nearest = torch.stack([_classify(geo, p, anchors, rule) for p in path])
-    mid = nearest[len(path) // 2]
-    right = pred == labels
-    crossing = float(((mid != labels) & right).float().mean())
-    switches = float((nearest[1:] != nearest[:-1]).sum(0).float().mean())
-    return {"crossing": crossing, "switches": switches}
-
 # %% ../../nbs/architectures/hyperbolic_flow.ipynb #674d99a2
 @dataclass
 class LiftParams:
@@ -521,8 +437,9 @@ def lift(feats: Tensor, alpha: float | Tensor, k: float | Tensor) -> Tensor:
     r_max = float(radius(pts.detach(), k.detach() if isinstance(k, Tensor) else k).max())
     r_ok = ACCURATE_RADIUS.get(pts.dtype, 2.0)
     if r_max > r_ok:
+        hint = "" if pts.dtype == torch.float64 else ", or use float64"
         warnings.warn(f"lift: a point lies at radius sqrt(k) d(o, x) = {r_max:.3g} > {r_ok} ({pts.dtype}), where the Lorentz "
-                      "maps lose accuracy; lower alpha or k, or use float64", LorentzDomainWarning, stacklevel=2)
+                      f"maps lose accuracy; lower alpha or k, or rescale the features{hint}", LorentzDomainWarning, stacklevel=2)
     return pts
 
 
@@ -558,167 +475,9 @@ def fit_centripetal(x: Tensor, y: Tensor, text: Tensor, steps: int = 200, tau: f
     ai, at, k = (float(v.detach()) for v in params())
     return LiftParams(ai, at, k)
 
-
-@dataclass
-class Trained:
-    """A trained flow: its geometry, the net, the points it starts from / flows to, and the lift (HFM only)."""
-    geo: Any
-    net: nn.Module
-    anchors: Tensor
-    cfg: FlowConfig
-    lift: LiftParams | None = None
-    losses: list = field(default_factory=list)
-
-    def start(self, x: Tensor) -> Tensor:
-        """The starting points of test features x [n, d]."""
-        return x if self.lift is None else lift(x, self.lift.alpha_i, self.lift.k)
-
-    def predict(self, x: Tensor, classify: str = "dist") -> FlowPrediction:
-        return integrate(self.net, self.geo, self.start(x), self.anchors, self.cfg, classify)
-
-
-def train_fma(task: FewShot, cfg: FlowConfig, seed: int = 0) -> Trained:
-    """FMA (Euclidean flow from image to class text feature); with `cfg.path_loss` the Euclidean same-losses variant."""
-    net, losses = train_flow(task.x_sup, task.y_sup, task.text, Euclid(), cfg, seed)
-    return Trained(Euclid(), net, task.text, cfg, None, losses)
-
-
-def train_hfm(task: FewShot, cfg: FlowConfig, seed: int = 0, centripetal: bool = True, warmup_steps: int = 200,
-              compiled: bool = False) -> Trained:
-    """HFM: fit (or, without `centripetal`, fix alpha_i = alpha_t = k = 1) the lift, then geodesic flow matching on the hyperboloid."""
-    lp = fit_centripetal(task.x_sup, task.y_sup, task.text, warmup_steps) if centripetal else LiftParams(1.0, 1.0, 1.0)
-    geo = Lorentz(lp.k, compiled)
-    x0, anchors = lift(task.x_sup, lp.alpha_i, lp.k), lift(task.text, lp.alpha_t, lp.k)
-    net, losses = train_flow(x0, task.y_sup, anchors, geo, cfg, seed)
-    return Trained(geo, net, anchors, cfg, lp, losses)
-
-# %% ../../nbs/architectures/hyperbolic_flow.ipynb #cae68e7b
-MAIN = ("zero-shot", "linear probe", "FMA", "Euclid + path losses", "HFM")
-ABLATIONS = ("HFM w/o centripetal", "HFM w/o path losses", "HFM fixed steps")
-
-
-def _acc(pred: Tensor, y: Tensor) -> float:
-    return 100.0 * float((pred == y).double().mean())
-
-
-def _flow_row(arm: str, model: Trained, out: FlowPrediction, task: FewShot, rule: str, seconds: float) -> dict:
-    row = dict(arm=arm, acc=_acc(out.pred, task.y_test), steps=float(out.steps_used.double().mean()),
-               never_stopped=out.never_stopped, n_test=len(task.y_test), train_s=seconds, lr=model.cfg.lr,
-               **path_crossing(model.geo, out.path, model.anchors, task.y_test, out.pred, rule))
-    if model.geo.name == "lorentz":
-        row["manifold_err"] = float((lorentz_inner(out.path, out.path) + 1 / model.geo.k).abs().max())
-        pts = torch.cat([out.path.flatten(0, 1), model.anchors])
-        row["max_radius"] = float(radius(pts, model.geo.k).max())
-    return row
-
-
-def _timed(fn: Callable[[], Trained]) -> tuple[Trained, float]:
-    t0 = time.perf_counter()
-    return fn(), time.perf_counter() - t0
-
-
-TRAINED_ARMS = ("FMA", "Euclid + path losses", "HFM", "HFM w/o centripetal", "HFM w/o path losses")
-
-
-def train_arm(arm: str, task: FewShot, cfg: FlowConfig, seed: int, warmup_steps: int = 200) -> tuple[Trained, str]:
-    """Train one flow arm (one of `TRAINED_ARMS`) with `cfg` (its lr included): (model, its classification rule)."""
-    plain, path = replace(cfg, path_loss=False, stopping="fixed"), replace(cfg, path_loss=True, stopping="diameter")
-    if arm == "FMA":
-        return train_fma(task, plain, seed), "cosine"
-    if arm == "Euclid + path losses":
-        return train_fma(task, path, seed), "dist"
-    if arm == "HFM":
-        return train_hfm(task, path, seed, warmup_steps=warmup_steps), "dist"
-    if arm == "HFM w/o centripetal":
-        return train_hfm(task, path, seed, centripetal=False), "dist"
-    if arm == "HFM w/o path losses":
-        return train_hfm(task, replace(path, path_loss=False), seed, warmup_steps=warmup_steps), "dist"
-    raise ValueError(f"arm={arm!r}: expected one of {TRAINED_ARMS}")
-
-
-def run_task(task: FewShot, cfg: FlowConfig, seed: int, ablations: bool = False, warmup_steps: int = 200,
-             lrs: dict[str, float] | None = None) -> list[dict]:
-    """Every arm on one few-shot task (same data, seed and training budget; arm a trains at lrs[a], default cfg.lr): one row
-    per arm with test accuracy (%), crossing rate, nearest-anchor switches, solver steps used and training seconds."""
-    lrs = dict(lrs or {})
-    unknown = set(lrs) - set(TRAINED_ARMS)
-    if unknown:
-        raise ValueError(f"lrs: unknown arms {sorted(unknown)}; expected keys among {TRAINED_ARMS}")
-    rows = [dict(arm="zero-shot", acc=_acc(zero_shot(task), task.y_test)),
-            dict(arm="linear probe", acc=_acc(linear_probe(task, seed), task.y_test))]
-    arms = TRAINED_ARMS if ablations else TRAINED_ARMS[:3]
-    for arm in arms:
-        m, s = _timed(lambda: train_arm(arm, task, replace(cfg, lr=lrs.get(arm, cfg.lr)), seed, warmup_steps))
-        model, rule = m
-        out = model.predict(task.x_test, rule)
-        rows.append(_flow_row(arm, model, out, task, rule, s) | (asdict(model.lift) if arm == "HFM" else {}))
-        if arm == "FMA":
-            per_step = [_acc(_classify(model.geo, p, model.anchors, "cosine"), task.y_test) for p in out.path[1:]]
-            rows.append(dict(arm="FMA (best steps on test)", acc=max(per_step), steps=float(1 + int(np.argmax(per_step)))))
-        if arm == "HFM":
-            hfm = model
-    if ablations:
-        fixed = Trained(hfm.geo, hfm.net, hfm.anchors, replace(hfm.cfg, stopping="fixed"), hfm.lift)
-        rows.append(_flow_row("HFM fixed steps", fixed, fixed.predict(task.x_test), task, "dist", 0.0))
-    return rows
-
-
-def tune_lrs(text: Tensor, super_of: Tensor, cfg: FlowConfig, grid: Sequence[float], seed: int, shots: Sequence[int],
-             sigma: float, n_test: int = 50, warmup_steps: int = 200, arms: Sequence[str] = TRAINED_ARMS,
-             max_extend: int = 2, progress: Callable | None = None) -> tuple[pd.DataFrame, dict[str, float]]:
-    """Pick each arm's lr on the same grid by its accuracy on a tuning task (seed `seed`, which must not be an evaluation
-    seed), averaged over `shots`; a pick at the grid's edge extends the grid by one ratio step that way, up to `max_extend`
-    times. Returns (one row per arm, lr, shots with the tuning accuracy and the count of `LorentzDomainWarning` warnings, e.g. a
-    diverging lr clipping its steps; the chosen lr per arm)."""
-    grid = sorted(float(g) for g in grid)
-    if len(grid) < 2 or grid[0] <= 0:
-        raise ValueError(f"grid={grid}: expected at least two learning rates > 0")
-    ratio = grid[1] / grid[0]
-    tasks = {n: make_hierarchy_benchmark(text, super_of, n, sigma, seed, n_test=n_test) for n in shots}
-    rows, best = [], {}
-
-    def score(arm: str, lr: float) -> float:
-        accs = []
-        for n, task in tasks.items():
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", LorentzDomainWarning)
-                model, rule = train_arm(arm, task, replace(cfg, lr=lr), seed, warmup_steps)
-                accs.append(_acc(model.predict(task.x_test, rule).pred, task.y_test))
-            n_warn = sum(issubclass(w.category, LorentzDomainWarning) for w in caught)
-            for w in caught:
-                if not issubclass(w.category, LorentzDomainWarning):
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            rows.append(dict(arm=arm, lr=lr, shots=n, acc=accs[-1], domain_warnings=n_warn))
-        if progress:
-            progress(arm, lr)
-        return float(np.mean(accs))
-    for arm in arms:
-        lrs = list(grid)
-        accs = {lr: score(arm, lr) for lr in lrs}
-        for _ in range(max_extend):
-            pick = max(lrs, key=lambda lr: (accs[lr], -lr))
-            if pick == lrs[0]:
-                lrs.insert(0, lrs[0] / ratio)
-                accs[lrs[0]] = score(arm, lrs[0])
-            elif pick == lrs[-1]:
-                lrs.append(lrs[-1] * ratio)
-                accs[lrs[-1]] = score(arm, lrs[-1])
-            else:
-                break
-        best[arm] = max(lrs, key=lambda lr: (accs[lr], -lr))
-    return pd.DataFrame(rows), best
-
-
-def run_experiment(text: Tensor, super_of: Tensor, cfg: FlowConfig, seeds: Sequence[int], shots: Sequence[int],
-                   sigma: float, ablation_shots: int = 4, warmup_steps: int = 200, progress: Callable | None = None,
-                   lrs: dict[str, float] | None = None) -> pd.DataFrame:
-    """`run_task` over seeds x shots (a fresh benchmark draw per seed): one row per (seed, shots, arm)."""
-    rows = []
-    for seed in seeds:
-        for n in shots:
-            task = make_hierarchy_benchmark(text, super_of, n, sigma, seed)
-            for r in run_task(task, cfg, seed, ablations=(n == ablation_shots), warmup_steps=warmup_steps, lrs=lrs):
-                rows.append(dict(seed=seed, shots=n, sigma=sigma, **r))
-            if progress:
-                progress(seed, n)
-    return pd.DataFrame(rows)
+# %% ../../nbs/architectures/hyperbolic_flow.ipynb #b413c747
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, (
+    "SUPER", "MAIN", "ABLATIONS", "TRAINED_ARMS", "FewShot", "text_anchors", "make_hierarchy_benchmark", "zero_shot",
+    "linear_probe", "path_crossing", "Trained", "train_fma", "train_hfm", "train_arm", "run_task", "tune_lrs",
+    "run_experiment"), "kimi_papers.architectures.hyperbolic_flow_experiment")
