@@ -467,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__" and not getattr(builtins, "__IPYTHON__", False):
     sys.exit(main())  # `python -m kimi_papers.core.run`, not a notebook or IPython (which set builtins.__IPYTHON__)
 
-# %% ../../nbs/core/run.ipynb #af4be25e
+# %% ../../nbs/core/run.ipynb #7f803313
 def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
     """`--grid key=[v1, v2]` items -> {key: [v1, v2]}, each value read as `-p` reads it."""
     out: dict[str, list[Any]] = {}
@@ -530,6 +530,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         show = claims[cols + ["claim", "role", "estimate", "low", "high", "n", "status"]].rename(
             columns={c: c[6:] for c in cols})
         print(show.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        if profile == "smoke":
+            print("(smoke statuses check that each point runs; they are not verdicts)")
     failed = [r for r in points if not r.ok]
     for r in failed:
         print(f"kimi-papers: error: point {r.index} {r.params} {r.status}: {r.error}", file=sys.stderr)
