@@ -8,9 +8,10 @@ import torch
 from kimi_papers.core.models import CharTokenizer, tiny_causal_lm
 from kimi_papers.core.rl.rollout import KVDecoder, Policy
 from kimi_papers.decoding.esamp import (
-    FORMS, GenResult, LowRankGatedResidual, OnlineDistiller, WordProblem, candidate_index, esamp_candidate_logits,
-    esamp_generate, esamp_logits, esamp_taps, filter_candidates, frontier_margin, make_problems, parse_answer,
-    problem_metrics, vendi_score)
+    FORMS, GenResult, LowRankGatedResidual, OnlineDistiller, candidate_index, esamp_candidate_logits, esamp_generate,
+    esamp_logits, esamp_taps, filter_candidates, vendi_score)
+from kimi_papers.decoding.esamp_experiment import (
+    WordProblem, frontier_margin, make_problems, parse_answer, problem_metrics)
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +145,14 @@ def test_generate_on_cuda(policy):
     out = esamp_generate(cuda, ["12+3=?"], 2, 4, beta=0.3, seed=0)
     assert out.tokens.device.type == "cuda" and len(out.texts) == 2
     policy.model.to("cpu")
+
+
+def test_parse_answer_is_the_core_parser_and_old_names_resolve():
+    import kimi_papers.decoding.esamp as m
+    from kimi_papers.core.rl.tasks import last_integer
+    assert parse_answer is last_integer
+    assert parse_answer("so 7 + 3 = 10 coins.") == 10 and parse_answer("1,234 apples, -4") == -4
+    assert parse_answer("1,234 apples") == 1234 and parse_answer("none") is None
+    for name in ("parse_answer", "make_problems", "frontier_margin"):
+        with pytest.warns(DeprecationWarning, match=name):
+            getattr(m, name)

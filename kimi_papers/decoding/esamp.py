@@ -6,8 +6,6 @@
 from __future__ import annotations
 
 import math
-import random
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -17,17 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
-from ..core.rl.metrics import pass_at_k
 from ..core.rl.rollout import KVDecoder, Policy
 from ..core.token_stats import gumbel_noise
 
 # %% auto #0
-__all__ = ['FORMS', 'esamp_step_compiled', 'TARGETS', 'SUFFIX', 'A_RANGE', 'B_RANGE', 'distill_forward', 'LowRankGatedResidual',
-           'OnlineDistiller', 'filter_candidates', 'esamp_logits', 'candidate_index', 'esamp_candidate_logits',
-           'GenResult', 'esamp_taps', 'esamp_generate', 'WordProblem', 'make_problems', 'parse_answer', 'vendi_score',
-           'problem_metrics', 'frontier_margin']
+__all__ = ['FORMS', 'esamp_step_compiled', 'TARGETS', 'distill_forward', 'LowRankGatedResidual', 'OnlineDistiller',
+           'filter_candidates', 'esamp_logits', 'candidate_index', 'esamp_candidate_logits', 'GenResult', 'esamp_taps',
+           'esamp_generate', 'vendi_score']
 
 # %% ../../nbs/decoding/esamp.ipynb #09911536
 def _check_rank(d: int, rank: int) -> None:
@@ -321,45 +317,7 @@ def esamp_generate(policy: Policy, prompts: Sequence[str], n: int, max_new_token
     return GenResult(texts, toks, mask, novelty, (nll / mask.sum(-1).clamp_min(1)).float().cpu(),
                      time.perf_counter() - t0, n)
 
-# %% ../../nbs/decoding/esamp.ipynb #8acafbd7
-_NAMES = ("Tom", "Ana", "Li", "Sam", "Maya", "Omar", "Zoe", "Ivan")
-_THINGS = ("marbles", "apples", "stickers", "coins", "books", "shells", "cards", "pencils")
-_TEMPLATES = (("{n} has {a} {x} and gets {b} more. How many {x} does {n} have now?", 1),
-              ("{n} has {a} {x} and gives away {b}. How many {x} are left?", -1),
-              ("{n} had {a} {x}. A friend gave {n} {b} {x}. How many {x} does {n} have?", 1),
-              ("There are {a} {x} in a box. {n} takes {b} of them. How many {x} stay in the box?", -1))
-SUFFIX = " Answer with a number."
-A_RANGE, B_RANGE = (10, 49), (2, 9)
-
-
-@dataclass(frozen=True)
-class WordProblem:
-    question: str
-    answer: int
-
-
-def make_problems(n: int, seed: int = 0) -> list[WordProblem]:
-    """n addition / subtraction word problems, a two-digit number and a one-digit one (a in A_RANGE, b in B_RANGE)."""
-    check_int("n", n)
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        text, sign = _TEMPLATES[i % len(_TEMPLATES)]
-        a, b = rng.randint(A_RANGE[0], A_RANGE[1]), rng.randint(B_RANGE[0], B_RANGE[1])
-        q = text.format(n=rng.choice(_NAMES), x=rng.choice(_THINGS), a=a, b=b) + SUFFIX
-        out.append(WordProblem(q, a + sign * b))
-    return out
-
-
-_INT = re.compile(r"-?\d+")
-
-
-def parse_answer(text: str) -> int | None:
-    """The last integer in a response (commas inside numbers dropped), None when there is none."""
-    found = _INT.findall(text.replace(",", ""))
-    return int(found[-1]) if found else None
-
-
+# %% ../../nbs/decoding/esamp.ipynb #esx00002
 def vendi_score(emb: Tensor) -> float:
     """Vendi score of n embeddings [n, d]: exp of the entropy of the eigenvalues of the cosine kernel K / n (1..n)."""
     if emb.dim() != 2 or emb.shape[0] < 1:
@@ -369,30 +327,7 @@ def vendi_score(emb: Tensor) -> float:
     lam = lam[lam > 1e-12]
     return float(torch.exp(-(lam * lam.log()).sum()))
 
-
-def problem_metrics(res: GenResult, problems: Sequence[WordProblem], emb: Tensor | None = None,
-                    ks: Sequence[int] = (1, 2, 4, 8)) -> list[dict]:
-    """One row per problem: per-sample accuracy, unbiased pass@k, distinct answers, Vendi (if emb [rows, d]), NLL."""
-    n, rows = res.n, []
-    for i, pr in enumerate(problems):
-        sl = slice(i * n, (i + 1) * n)
-        ans = [parse_answer(t) for t in res.texts[sl]]
-        c = sum(a == pr.answer for a in ans)
-        row = dict(problem=i, acc=c / n, correct=c, distinct=len({a for a in ans if a is not None}),
-                   parsed=sum(a is not None for a in ans) / n, nll=float(res.nll[sl].mean()),
-                   length=float(res.mask[sl].sum(-1).float().mean()))
-        row.update({f"pass@{k}": pass_at_k(n, c, k) for k in ks if k <= n})
-        if emb is not None:
-            row["vendi"] = vendi_score(emb[sl])
-        rows.append(row)
-    return rows
-
-# %% ../../nbs/decoding/esamp.ipynb #076cd819
-def frontier_margin(base_x: Sequence[float], base_y: Sequence[float], x: float, y: float) -> float:
-    """y minus the baseline curve's y at x (linear interpolation over the baseline points sorted by x, clamped at
-    the ends): how far a point lies above the baseline's trade-off curve (e.g. x = accuracy, y = Vendi)."""
-    bx, by = np.asarray(base_x, float), np.asarray(base_y, float)
-    if bx.shape != by.shape or bx.ndim != 1 or len(bx) < 2:
-        raise ValueError(f"base_x, base_y: expected two equal-length 1-d sequences of >= 2 points, got {bx.shape}, {by.shape}")
-    o = np.argsort(bx, kind="stable")
-    return float(y - np.interp(x, bx[o], by[o]))
+# %% ../../nbs/decoding/esamp.ipynb #esx00005
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("SUFFIX", "A_RANGE", "B_RANGE", "WordProblem", "make_problems", "parse_answer",
+                                     "problem_metrics", "frontier_margin"), "kimi_papers.decoding.esamp_experiment")
