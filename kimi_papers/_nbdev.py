@@ -70,8 +70,10 @@ class ExperimentModule:
         # the stub already starts with the __future__ import, which must come first in a module: drop the cells' copies
         for cell in nb.cells:
             if any(_arg(cell.directives_.get(k)) == sibling for k in ("export", "exporti", "exports")):
-                cell.source = "\n".join(l for l in cell.source.splitlines()
-                                        if l.strip() != "from __future__ import annotations")
+                kept = [l for l in cell.source.splitlines() if l.strip() != "from __future__ import annotations"]
+                while kept and not kept[0].strip():
+                    kept.pop(0)
+                cell.source = "\n".join(kept)
 
 
 def _relpath(target: Path, start: Path) -> str:

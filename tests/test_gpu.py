@@ -203,8 +203,8 @@ def test_otb_inside_trainer_on_cuda():
 
 # ---- serving.spec_md: the tiny MoE's forward --------------------------------------------------------------------
 def test_spec_md_model_forward_on_cuda_matches_cpu():
-    from kimi_papers.serving.spec_md import (folded_routers, gate_lookahead, gate_lookahead_reference, trace_model,
-                                             trace_model_config, unit_rms)
+    from kimi_papers.serving.spec_md_experiment import gate_lookahead_reference
+    from kimi_papers.serving.spec_md_traces import folded_routers, gate_lookahead, trace_model, trace_model_config, unit_rms
     torch.manual_seed(0)
     cfg = trace_model_config(n_layers=2, n_experts=8, top_k=2, d_model=32, d_expert=16, n_heads=2, vocab=256, max_len=64)
     cpu = trace_model(cfg).eval()
