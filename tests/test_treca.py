@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from kimi_papers.science import treca
-
+from kimi_papers.science import treca_experiment as trx
 from kimi_papers.science.treca import (
-    TrecaConfig, accepted_error, bayes_chow, chow_rule, clip_propensity, crossfit_nuisances, cvar_identity,
-    dr_pseudo_outcome, evaluate_arm, fit_treca, frechet_bounds, gamma_bounds, load_nsw, load_thornton, make_world,
-    n_abstain, plugin_rho, real_data_split, regret, responder_bounds, robust_chow, simulate_responders,
-    treca_cost_objective,
-    treca_objective, treca_objective_reference, true_risk)
+    TrecaConfig, chow_rule, clip_propensity, crossfit_nuisances, dr_pseudo_outcome, fit_treca, frechet_bounds,
+    gamma_bounds, n_abstain, plugin_rho, responder_bounds, robust_chow, treca_cost_objective, treca_objective)
+from kimi_papers.science.treca_experiment import (
+    accepted_error, bayes_chow, cvar_identity, evaluate_arm, load_nsw, load_thornton, make_world, real_data_split, regret,
+    simulate_responders, treca_objective_reference, true_risk)
 
 CUDA = torch.cuda.is_available()
 
@@ -257,17 +257,17 @@ def test_real_data_split_scores_both_rules_on_held_out_units():
 def test_gain_decomposition_adds_up_and_reads_labels():
     rho = np.array([0.9, 0.8, 0.45, 0.3, 0.1])
     # A (TRECA-like) labels unit 1 responder and abstains on unit 2; B (plug-in-like) labels unit 1 non-responder
-    dec = treca.gain_decomposition(np.array([1, 1, 0, 0, 0]), np.array([0, 0, 1, 0, 0], bool),
+    dec = trx.gain_decomposition(np.array([1, 1, 0, 0, 0]), np.array([0, 0, 1, 0, 0], bool),
                                    np.array([1, 0, 1, 0, 0]), np.array([0, 0, 0, 0, 1], bool), rho)
     assert dec["disagree"] == pytest.approx(0.4) and dec["disagree_abstained"] == pytest.approx(0.5)
     assert dec["from_labels"] + dec["from_abstention"] == pytest.approx(dec["total"])
-    hybrid = treca.regret(np.array([1, 0, -1, 0, 0]), rho)    # B's labels on A's accepted units
-    assert dec["from_labels"] == pytest.approx(hybrid - treca.regret(np.array([1, 1, -1, 0, 0]), rho))
-    same = treca.gain_decomposition(np.array([1, 0]), np.array([False, True]), np.array([1, 0]), np.array([False, True]),
+    hybrid = trx.regret(np.array([1, 0, -1, 0, 0]), rho)    # B's labels on A's accepted units
+    assert dec["from_labels"] == pytest.approx(hybrid - trx.regret(np.array([1, 1, -1, 0, 0]), rho))
+    same = trx.gain_decomposition(np.array([1, 0]), np.array([False, True]), np.array([1, 0]), np.array([False, True]),
                                     np.array([0.7, 0.4]))
     assert same["total"] == same["from_labels"] == same["from_abstention"] == 0.0
     with pytest.raises(ValueError, match="labels_a"):
-        treca.gain_decomposition(np.array([2, 0]), np.array([0, 0], bool), np.array([1, 0]), np.array([0, 0], bool), rho[:2])
+        trx.gain_decomposition(np.array([2, 0]), np.array([0, 0], bool), np.array([1, 0]), np.array([0, 0], bool), rho[:2])
 
 
 def test_evaluate_arm_units():

@@ -8,26 +8,24 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
 from ..core.train import train
 
 # %% auto #0
-__all__ = ['REGIMES', 'LEARNERS', 'E_CLIP', 'treca_loss_compiled', 'treca_cost_compiled', 'MODELS', 'ARMS', 'check_binary',
-           'check_alpha', 'check_cost', 'check_gamma', 'check_covariates', 'CausalData', 'load_thornton', 'load_nsw',
-           'SemiSynth', 'true_surfaces', 'simulate_responders', 'Nuisances', 'clip_propensity', 'crossfit_nuisances',
-           'dr_pseudo_outcome', 'plugin_rho', 'n_abstain', 'treca_loss_core', 'treca_cost_core', 'treca_objective',
-           'treca_cost_objective', 'treca_objective_reference', 'cvar_identity', 'TrecaConfig', 'make_scorer',
-           'AbstainingClassifier', 'fit_treca', 'ChowRule', 'chow_rule', 'bayes_chow', 'fit_dr_two_stage', 'unit_error',
-           'true_risk', 'accepted_error', 'regret', 'gain_decomposition', 'dr_risk', 'frechet_bounds', 'gamma_bounds',
-           'responder_bounds', 'robust_chow', 'World', 'make_world', 'evaluate_arm', 'real_data_split']
+__all__ = ['LEARNERS', 'E_CLIP', 'treca_loss_compiled', 'treca_cost_compiled', 'MODELS', 'check_binary', 'check_alpha',
+           'check_cost', 'check_gamma', 'check_covariates', 'CausalData', 'Nuisances', 'clip_propensity',
+           'crossfit_nuisances', 'dr_pseudo_outcome', 'plugin_rho', 'n_abstain', 'treca_loss_core', 'treca_cost_core',
+           'treca_objective', 'treca_cost_objective', 'TrecaConfig', 'make_scorer', 'AbstainingClassifier', 'fit_treca',
+           'ChowRule', 'chow_rule', 'fit_dr_two_stage', 'dr_risk', 'frechet_bounds', 'gamma_bounds', 'responder_bounds',
+           'robust_chow']
 
 # %% ../../nbs/science/treca.ipynb #f6109b0a
 def check_binary(name: str, a: np.ndarray | Sequence[float]) -> np.ndarray:
@@ -98,122 +96,6 @@ class CausalData:
     def __len__(self) -> int:
         return len(self.T)
 
-
-def _from_frame(df, x_cols: list[str], t_col: str, y: np.ndarray | str, dropna: bool, known_e: bool) -> CausalData:
-    cols = x_cols + [t_col] + ([y] if isinstance(y, str) else [])
-    sub = df[cols]
-    na = sub.isna().any(axis=1).to_numpy()
-    if na.any() and not dropna:
-        raise ValueError(f"{int(na.sum())} rows have a missing value in {cols}; pass dropna=True to drop them")
-    keep = ~na
-    yv = df[y].to_numpy() if isinstance(y, str) else np.asarray(y)
-    T = check_binary("T", sub[t_col].to_numpy()[keep])
-    Y = check_binary("Y", yv[keep])
-    X = sub[x_cols].to_numpy(np.float64)[keep]
-    return CausalData(X, T, Y, list(x_cols), len(df), int(na.sum()), float(T.mean()) if known_e else None)
-
-
-def load_thornton(dropna: bool = True, village: bool = False) -> CausalData:
-    """Thornton (2008) Malawi RCT: T = any cash incentive, Y = collected the HIV result, X = distance, age, HIV status.
-
-    Rows with a missing value in these columns or the village id are dropped (n = 2,825 of 4,820)."""
-    from causaldata import thornton_hiv
-    df = thornton_hiv.load_pandas().data
-    x_cols = ["distvct", "age", "hiv2004"]
-    if not dropna and df[x_cols + ["any", "got", "villnum"]].isna().any(axis=None):
-        raise ValueError("thornton_hiv has rows with missing values; pass dropna=True to drop them")
-    df = df.dropna(subset=["villnum"]) if dropna else df
-    d = _from_frame(df, x_cols, "any", "got", dropna, known_e=True)
-    d.n_raw, d.n_dropped = 4820, 4820 - len(d)
-    if village:
-        vill = df.loc[df[x_cols + ["any", "got"]].notna().all(axis=1), "villnum"].to_numpy()
-        ids = np.unique(vill)
-        d.X = np.hstack([d.X, (vill[:, None] == ids[None, 1:]).astype(np.float64)])
-        d.names += [f"village_{int(v)}" for v in ids[1:]]
-    return d
-
-
-def load_nsw(dropna: bool = True) -> CausalData:
-    """LaLonde's NSW experiment (Dehejia-Wahba sample, n = 445): T = job training, Y = 1{earnings in 1978 > 0}."""
-    from causaldata import nsw_mixtape
-    df = nsw_mixtape.load_pandas().data
-    x_cols = ["age", "educ", "black", "hisp", "marr", "nodegree", "re74", "re75"]
-    y = (df["re78"].to_numpy() > 0).astype(np.float64)
-    y[df["re78"].isna().to_numpy()] = np.nan
-    df = df.assign(_y=y)
-    d = _from_frame(df, x_cols, "treat", "_y", dropna, known_e=True)
-    d.X[:, 6:] = d.X[:, 6:] / 1000.0  # earnings in thousands of dollars
-    return d
-
-# %% ../../nbs/science/treca.ipynb #a75599e5
-REGIMES = ("rct", "confounded", "nonmonotone")
-
-
-@dataclass
-class SemiSynth:
-    """Semi-synthetic outcomes on real covariates with known truth; all arrays [n]."""
-    X: np.ndarray       # float64 [n, d] covariates (resampled rows of the real table)
-    T: np.ndarray       # int64 treatment
-    Y: np.ndarray       # int64 observed outcome
-    rho: np.ndarray     # P(responder | x) = P(Y(1)=1, Y(0)=0 | x)
-    mu0: np.ndarray     # P(Y=1 | x, T=0)
-    mu1: np.ndarray     # P(Y=1 | x, T=1)
-    e: np.ndarray       # P(T=1 | x)
-    responder: np.ndarray  # int64 1{Y(1)=1, Y(0)=0}, the unit's latent type
-    regime: str
-
-
-def _zscore(X: np.ndarray) -> np.ndarray:
-    return (X - X.mean(0)) / np.where(X.std(0) > 0, X.std(0), 1.0)
-
-
-def _sigmoid(z: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-z))
-
-
-def true_surfaces(X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(mu0, tau) [n] of the simulator on thornton-like covariates (distance, age, HIV status in columns 0-2)."""
-    z = _zscore(X[:, :3])
-    d, a, h = z[:, 0], z[:, 1], X[:, 2]
-    f0 = -1.0 + 0.9 * np.sin(1.8 * d) + 0.5 * a ** 2 - 0.8 * h       # non-linear baseline, not additive-logistic
-    g = 1.2 + 2.5 * np.cos(1.5 * d) * np.tanh(a) - 1.5 * (d * a > 0.5)  # interaction-driven uplift
-    mu0 = _sigmoid(f0)
-    tau = _sigmoid(g) * (1.0 - mu0)                                 # mu1 = mu0 + tau stays in [0, 1]
-    return mu0, tau
-
-
-def simulate_responders(X: np.ndarray, regime: str, rng: np.random.Generator, e_rct: float = 0.78,
-                        flip: float = 0.15) -> SemiSynth:
-    """Outcomes with known responder probability on real covariates X [n, d] (shared-U latent model).
-
-    rct: e = e_rct; confounded: e(x) = sigmoid(0.8 - 0.7 age - 0.6 distance) clipped to [0.1, 0.9];
-    nonmonotone: as rct but each unit is a defier (its potential outcomes swapped) with probability `flip`."""
-    if regime not in REGIMES:
-        raise ValueError(f"regime={regime!r}: expected one of {REGIMES}")
-    if not isinstance(rng, np.random.Generator):
-        raise TypeError(f"rng: expected a numpy Generator, got {type(rng).__name__}")
-    X, _ = check_covariates(X)
-    if X.shape[1] < 3:
-        raise ValueError(f"X: expected at least 3 columns (distance, age, HIV status), got {X.shape[1]}")
-    n = len(X)
-    mu0, tau = true_surfaces(X)
-    mu1 = mu0 + tau
-    if regime == "confounded":
-        z = _zscore(X[:, :2])
-        e = np.clip(_sigmoid(0.8 - 0.6 * z[:, 0] - 0.7 * z[:, 1]), 0.1, 0.9)
-    else:
-        e = np.full(n, float(e_rct))
-    U = rng.random(n)
-    y1, y0 = (U < mu1).astype(np.int64), (U < mu0).astype(np.int64)
-    rho = tau.copy()
-    if regime == "nonmonotone":
-        defier = rng.random(n) < flip
-        y1, y0 = np.where(defier, y0, y1), np.where(defier, y1, y0)
-        mu0, mu1 = (1 - flip) * mu0 + flip * mu1, (1 - flip) * mu1 + flip * mu0
-        rho = (1 - flip) * tau
-    T = (rng.random(n) < e).astype(np.int64)
-    Y = np.where(T == 1, y1, y0)
-    return SemiSynth(X, T, Y, rho, mu0, mu1, e, ((y1 == 1) & (y0 == 0)).astype(np.int64), regime)
 
 # %% ../../nbs/science/treca.ipynb #4976ca8e
 LEARNERS = ("logistic", "hgb")
@@ -391,30 +273,6 @@ def treca_cost_objective(f: Tensor, phi: Tensor, rho_hat: Tensor, c: float, tau:
     return fn(f, phi.to(f.dtype), rho_hat.to(f.dtype), cc, t)
 
 
-def treca_objective_reference(f: np.ndarray, phi: np.ndarray, rho_hat: np.ndarray, alpha: float,
-                              tau: float) -> tuple[float, float]:
-    """NumPy float64 reference of `treca_objective` by a stable sort (ties: lower index accepted first)."""
-    f, phi, rho_hat = (np.asarray(a, np.float64) for a in (f, phi, rho_hat))
-    h = 1.0 / (1.0 + np.exp(-f / tau))
-    l_hat, l_til = h * (1 - rho_hat) + (1 - h) * rho_hat, h * (1 - phi) + (1 - h) * phi
-    n = len(f)
-    k = n - n_abstain(n, alpha)
-    if k == 0:
-        return 0.0, -math.inf
-    order = np.argsort(l_hat, kind="stable")
-    acc = np.zeros(n, bool)
-    acc[order[:k]] = True
-    t = float(l_hat[order[k - 1]])
-    return float(np.where(acc, l_til, t).mean() - alpha * t), t
-
-
-def cvar_identity(loss: np.ndarray, alpha: float) -> float:
-    """E[l] - alpha CVaR_alpha(l) of an empirical loss [n] by sorting (upper-tail mean, fractional boundary atom)."""
-    s = np.sort(np.asarray(loss, np.float64))[::-1]
-    n = len(s)
-    w = np.clip(alpha * n - np.arange(n), 0.0, 1.0)     # tail weight of each sorted (descending) atom
-    return float(s.mean() - (w * s).sum() / n)
-
 # %% ../../nbs/science/treca.ipynb #7bf1e07b
 MODELS = ("linear", "mlp")
 
@@ -560,27 +418,6 @@ def chow_rule(rho_hat: np.ndarray, alpha: float | None = None, cost: float | Non
     return ChowRule(float(np.sort(np.minimum(r, 1 - r))[k - 1]) if k > 0 else -math.inf)
 
 
-def _oracle_by_count(rho: np.ndarray, m: int) -> np.ndarray:
-    """The Bayes rule abstaining on exactly m units: the m largest min(rho, 1 - rho), ties to the highest indices."""
-    rho = np.asarray(rho, np.float64)
-    pred = (rho > 0.5).astype(np.int64)
-    if m > 0:
-        order = np.argsort(np.minimum(rho, 1 - rho), kind="stable")
-        pred[order[len(rho) - m:]] = -1
-    return pred
-
-
-def bayes_chow(rho: np.ndarray, c: float | None = None, alpha: float | None = None) -> np.ndarray:
-    """The oracle rule on the true rho [n]: cost form (1 if rho >= 1 - c, 0 if rho <= c, else -1) or budget alpha."""
-    rho = np.asarray(rho, np.float64)
-    if (alpha is None) == (c is None):
-        raise ValueError("bayes_chow: give exactly one of c or alpha")
-    if c is not None:
-        c = check_cost(c)
-        return np.where(rho >= 1 - c, 1, np.where(rho <= c, 0, -1)).astype(np.int64)
-    return _oracle_by_count(rho, n_abstain(len(rho), check_alpha(alpha)))
-
-
 def fit_dr_two_stage(X: np.ndarray, phi: np.ndarray, alpha: float, model: str = "mlp", cfg: TrecaConfig | None = None,
                      device: str | torch.device = "cpu") -> tuple[Callable[[np.ndarray], np.ndarray], ChowRule]:
     """DR-learner baseline: regress phi [n] on X by squared error, then Chow's budget rule on the fit clipped to [0, 1].
@@ -599,6 +436,7 @@ def fit_dr_two_stage(X: np.ndarray, phi: np.ndarray, alpha: float, model: str = 
 
     return rho_tilde, chow_rule(rho_tilde(X), alpha=alpha)
 
+
 # %% ../../nbs/science/treca.ipynb #bf93bdf2
 def _check_pred(pred: np.ndarray, rho: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     pred, rho = np.asarray(pred), np.asarray(rho, np.float64)
@@ -608,63 +446,11 @@ def _check_pred(pred: np.ndarray, rho: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return pred, rho
 
 
-def unit_error(pred: np.ndarray, rho: np.ndarray) -> np.ndarray:
-    """Expected misclassification per unit [n]: 1 - rho if labelled responder, rho if not, 0 if abstained."""
-    pred, rho = _check_pred(pred, rho)
-    return np.where(pred == 1, 1 - rho, np.where(pred == 0, rho, 0.0))
-
-
-def true_risk(pred: np.ndarray, rho: np.ndarray, c: float | None = None) -> float:
-    """R(h) = mean[1{h=1}(1 - rho) + 1{h=0} rho + c 1{h=abstain}]; c = None is the budget form (abstention free)."""
-    err = unit_error(pred, rho)
-    cost = 0.0 if c is None else check_cost(c)
-    return float(np.mean(err + cost * (np.asarray(pred) == -1)))
-
-
-def accepted_error(pred: np.ndarray, rho: np.ndarray) -> float:
-    """Mean expected error over the units the rule does not abstain on; a ValueError if it abstains on all."""
-    err = unit_error(pred, rho)
-    acc = np.asarray(pred) != -1
-    if not acc.any():
-        raise ValueError("accepted_error: the rule abstains on every unit")
-    return float(err[acc].mean())
-
-
-def regret(pred: np.ndarray, rho: np.ndarray, c: float | None = None) -> float:
-    """R(h) - R(h*): cost form against the Bayes-Chow rule at c, or (c = None) against the oracle that abstains
-    on as many units as h does (regret at matched abstention)."""
-    pred, rho = _check_pred(pred, rho)
-    if c is not None:
-        return true_risk(pred, rho, c) - true_risk(bayes_chow(rho, c=c), rho, c)
-    return true_risk(pred, rho) - true_risk(_oracle_by_count(rho, int((pred == -1).sum())), rho)
-
-
-def gain_decomposition(labels_a: np.ndarray, abstain_a: np.ndarray, labels_b: np.ndarray, abstain_b: np.ndarray,
-                       rho: np.ndarray) -> dict:
-    """Split rule A's regret gain over rule B (matched abstention) into its abstention set and its labels.
-
-    labels_* int {0, 1} [n] (each rule's label on every unit), abstain_* bool [n]. The hybrid H keeps B's labels on
-    A's accepted units: total = regret(B) - regret(A) = from_abstention (regret(B) - regret(H)) + from_labels
-    (regret(H) - regret(A)). `labels_first` is the other order: regret(B) - regret(A's labels, B's abstention set).
-    Also: the share of units whose labels differ, how many of those A abstains on, and the label disagreement among
-    A's accepted units."""
-    la, lb = check_binary("labels_a", labels_a), check_binary("labels_b", labels_b)
-    aa, ab = np.asarray(abstain_a, bool), np.asarray(abstain_b, bool)
-    _same_length(labels_a=la, abstain_a=aa, labels_b=lb, abstain_b=ab, rho=np.asarray(rho))
-    pa, pb = np.where(aa, -1, la), np.where(ab, -1, lb)
-    ra, rb = regret(pa, rho), regret(pb, rho)
-    rh, rh2 = regret(np.where(aa, -1, lb), rho), regret(np.where(ab, -1, la), rho)
-    diff = la != lb
-    return {"total": rb - ra, "from_abstention": rb - rh, "from_labels": rh - ra, "labels_first": rb - rh2,
-            "disagree": float(diff.mean()), "disagree_abstained": float(aa[diff].mean()) if diff.any() else float("nan"),
-            "disagree_accepted": float(diff[~aa].mean()) if (~aa).any() else float("nan"),
-            "abstain_overlap": float((aa & ab).sum() / max(aa.sum(), 1))}
-
-
 def dr_risk(pred: np.ndarray, phi: np.ndarray) -> float:
     """The DR estimate of the budget-form risk, mean[1{h=1}(1 - phi) + 1{h=0} phi] (abstained units add 0)."""
     pred, phi = _check_pred(pred, phi)
     return float(np.mean(np.where(pred == 1, 1 - phi, np.where(pred == 0, phi, 0.0))))
+
 
 # %% ../../nbs/science/treca.ipynb #ea8606b7
 def frechet_bounds(mu0: np.ndarray, mu1: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -702,116 +488,8 @@ def robust_chow(lo: np.ndarray, hi: np.ndarray, c: float) -> np.ndarray:
     lo, hi = np.asarray(lo, np.float64), np.asarray(hi, np.float64)
     return np.where(lo >= 1 - c, 1, np.where(hi <= c, 0, -1)).astype(np.int64)
 
-# %% ../../nbs/science/treca.ipynb #98f2332d
-@dataclass
-class World:
-    """One seed's semi-synthetic train/test split with its nuisances, pseudo-outcomes and plug-in estimates."""
-    train: SemiSynth
-    test: SemiSynth
-    nuis: Nuisances
-    phi: np.ndarray           # DR pseudo-outcomes on the training units [n]
-    phi_ipw: np.ndarray       # IPW pseudo-outcomes (mu-hat = 0) [n]
-    rho_hat: np.ndarray       # cross-fitted plug-in rho on the training units [n]
-    rho_hat_test: np.ndarray  # fold-averaged plug-in rho on the test units [m]
-    learner: str
-    seed: int
-
-
-def make_world(X_pool: np.ndarray, seed: int, n: int, n_test: int, regime: str = "rct", learner: str = "logistic",
-               k: int = 5) -> World:
-    """Resample n + n_test covariate rows (with replacement) from X_pool, simulate, cross-fit on the n train units.
-
-    learner: "logistic" (main effects: misspecified here), "hgb" (gradient boosting) or "true" (the simulator's mu_t)."""
-    if learner not in LEARNERS + ("true",):
-        raise ValueError(f"learner={learner!r}: expected one of {LEARNERS + ('true',)}")
-    check_int("n", n, minimum=20)
-    check_int("n_test", n_test)
-    rng = np.random.default_rng(seed)
-    X_pool, _ = check_covariates(X_pool)
-    idx = rng.integers(0, len(X_pool), n + n_test)
-    data = simulate_responders(X_pool[idx], regime, rng)
-    tr, te = (_take(data, sl) for sl in (slice(0, n), slice(n, n + n_test)))
-    known = float(tr.e[0]) if regime != "confounded" else None
-    if learner == "true":  # a correctly specified outcome model: the simulator's own mu_t (and e)
-        nu = Nuisances(tr.mu0, tr.mu1, tr.e, te.mu0, te.mu1, te.e)
-    else:
-        nu = crossfit_nuisances(tr.X, tr.T, tr.Y, learner, k, known_e=known, seed=seed, X_new=te.X)
-    phi = dr_pseudo_outcome(tr.T, tr.Y, nu.mu0, nu.mu1, nu.e)
-    zero = np.zeros(n)
-    return World(tr, te, nu, phi, dr_pseudo_outcome(tr.T, tr.Y, zero, zero, nu.e), plugin_rho(nu.mu0, nu.mu1),
-                 plugin_rho(nu.mu0_new, nu.mu1_new), learner, seed)
-
-
-def _take(d: SemiSynth, sl: slice) -> SemiSynth:
-    return SemiSynth(*(getattr(d, f)[sl] for f in ("X", "T", "Y", "rho", "mu0", "mu1", "e", "responder")), d.regime)
-
-
-ARMS = ("treca", "treca_ipw", "treca_plugin_form", "treca_oracle_phi", "dr_two_stage", "plugin", "oracle")
-
-
-def evaluate_arm(w: World, arm: str, alpha: float | None = None, cost: float | None = None, model: str = "mlp",
-                 cfg: TrecaConfig | None = None, device: str | torch.device = "cpu", compiled: bool = True,
-                 units: bool = False) -> dict:
-    """Fit `arm` on the world's training units and score it on its test units against the true rho.
-
-    Returns a row: regret (matched abstention, or cost form when `cost` is given), accepted error, overall
-    error of its labels (= accepted error under random abstention), abstention rate; with `units=True` also the
-    per-test-unit `labels` [m] and `abstain` [m] (for `gain_decomposition`)."""
-    if arm not in ARMS:
-        raise ValueError(f"arm={arm!r}: expected one of {ARMS}")
-    X, Xt, rho_t = w.train.X, w.test.X, w.test.rho
-    if arm.startswith("treca"):
-        phi = {"treca": w.phi, "treca_ipw": w.phi_ipw, "treca_plugin_form": w.rho_hat,
-               "treca_oracle_phi": w.train.rho}[arm]
-        rule = fit_treca(X, phi, w.rho_hat, alpha, cost, model, cfg, device, compiled)
-        pred = rule.predict(Xt, w.rho_hat_test)
-        labels = (rule.score(Xt) > 0).astype(np.int64)
-    elif arm == "dr_two_stage":
-        if alpha is None:
-            raise ValueError("dr_two_stage: a budget alpha is needed")
-        rho_tilde, rule = fit_dr_two_stage(X, w.phi, alpha, model, cfg, device)
-        r = rho_tilde(Xt)
-        pred, labels = rule.predict(r), (r > 0.5).astype(np.int64)
-    elif arm == "plugin":
-        rule = chow_rule(w.rho_hat, alpha, cost)
-        pred, labels = rule.predict(w.rho_hat_test), (w.rho_hat_test > 0.5).astype(np.int64)
-    else:
-        pred = bayes_chow(rho_t, c=cost, alpha=alpha)
-        labels = (rho_t > 0.5).astype(np.int64)
-    acc = pred != -1
-    row = {"arm": arm, "alpha": alpha, "cost": cost, "model": model, "learner": w.learner, "regime": w.train.regime,
-           "seed": w.seed, "n": len(X), "regret": regret(pred, rho_t, cost),
-           "accepted_error": float(unit_error(pred, rho_t)[acc].mean()) if acc.any() else float("nan"),
-           "error_all": float(unit_error(labels, rho_t).mean()), "abstain": float(1 - acc.mean())}
-    return {**row, "labels": labels, "abstain_units": ~acc} if units else row
-
-
-def real_data_split(data: CausalData, split_seed: int, alpha: float = 0.2, model: str = "mlp",
-                    cfg: TrecaConfig | None = None, device: str | torch.device = "cpu", compiled: bool = True,
-                    test_frac: float = 0.3, learner: str = "logistic", gammas: Sequence[float] = (1.0,),
-                    cost: float = 0.4) -> dict:
-    """One random train/test split of a real RCT: TRECA and the plug-in Chow rule at budget alpha, scored on the
-    test units by the DR risk estimate (nuisances fitted on the training part); plus the robust Chow rule's
-    abstention rate at cost `cost` for each Gamma."""
-    if not 0 < test_frac < 1:
-        raise ValueError(f"test_frac={test_frac!r}: expected a fraction in (0, 1)")
-    rng = np.random.default_rng(split_seed)
-    perm = rng.permutation(len(data))
-    m = int(round(test_frac * len(data)))
-    te, tr = perm[:m], perm[m:]
-    X, T, Y = data.X, data.T, data.Y
-    nu = crossfit_nuisances(X[tr], T[tr], Y[tr], learner, 5, known_e=data.known_e, seed=split_seed, X_new=X[te])
-    phi_tr = dr_pseudo_outcome(T[tr], Y[tr], nu.mu0, nu.mu1, nu.e)
-    phi_te = dr_pseudo_outcome(T[te], Y[te], nu.mu0_new, nu.mu1_new, nu.e_new)
-    rho_tr, rho_te = plugin_rho(nu.mu0, nu.mu1), plugin_rho(nu.mu0_new, nu.mu1_new)
-    rule = fit_treca(X[tr], phi_tr, rho_tr, alpha=alpha, model=model, cfg=cfg, device=device, compiled=compiled)
-    pt, pp = rule.predict(X[te], rho_te), chow_rule(rho_tr, alpha=alpha).predict(rho_te)
-    row = {"split": split_seed, "n_train": len(tr), "n_test": m, "dr_risk_treca": dr_risk(pt, phi_te),
-           "dr_risk_plugin": dr_risk(pp, phi_te), "abstain_treca": float((pt == -1).mean()),
-           "abstain_plugin": float((pp == -1).mean()), "ate_dr": float(phi_te.mean()),
-           "responder_treca": float((pt == 1).mean()), "responder_plugin": float((pp == 1).mean()),
-           "disagree": float((pt != pp).mean())}
-    for g in gammas:
-        lo, hi = responder_bounds(nu.mu0_new, nu.mu1_new, nu.e_new, g)
-        row[f"robust_abstain_gamma_{g:g}"] = float((robust_chow(lo, hi, cost) == -1).mean())
-    return row
+# %% ../../nbs/science/treca.ipynb #343e8ad6
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("load_thornton", "load_nsw", "REGIMES", "SemiSynth", "true_surfaces", "simulate_responders",
+    "treca_objective_reference", "cvar_identity", "bayes_chow", "unit_error", "true_risk", "accepted_error", "regret",
+    "gain_decomposition", "World", "make_world", "ARMS", "evaluate_arm", "real_data_split"), "kimi_papers.science.treca_experiment")
