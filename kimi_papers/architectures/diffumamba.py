@@ -6,17 +6,14 @@
 from __future__ import annotations
 
 import math
-import time
-from typing import Callable, Sequence
+from typing import Callable
 
-import numpy as np
-import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.flops import Cost, linear_cost, register_cost
 from ..core.kernels import compile_fn
 from ..core.nn import MLP, Attention, Block, LMConfig, MaskedLM, RMSNorm, default_ffn, default_mixer
@@ -26,7 +23,7 @@ from ..core.token_stats import gumbel_noise
 __all__ = ['PATTERNS', 'ssd_reference', 'ssd_chunked', 'ssd_flops', 'param_count', 'Mamba2Mixer', 'BiMambaMixer', 'BiMambaBlock',
            'AttnBlock', 'set_compiled', 'mixer_params', 'matched_d_ff', 'Denoiser', 'mamba2_cost', 'bimamba_cost',
            'stratified_t', 'masked_ce_over_t', 'mdlm_loss', 'mdlm_objective', 'nelbo', 'sample', 'block_sample',
-           'timed', 'time_forward', 'loglog_slope', 'crossover_length', 'corpus_windows', 'train_denoiser']
+           'train_denoiser']
 
 # %% ../../nbs/architectures/diffumamba.ipynb #e6f73357
 def _check_ssd(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor, chunk: int) -> None:
@@ -473,92 +470,7 @@ def block_sample(model: nn.Module, n_blocks: int, block: int, steps: int, cache:
     model.train(was)
     return out
 
-# %% ../../nbs/architectures/diffumamba.ipynb #eea9a333
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _clocks(dev: torch.device, clock: str) -> tuple[Callable[[], float], bool]:
-    if clock not in ("auto", "cpu", "wall"):
-        raise ValueError(f"clock={clock!r}: expected 'auto', 'cpu' or 'wall'")
-    use_cpu = clock == "cpu" or (clock == "auto" and dev.type == "cpu")
-    return (time.process_time if use_cpu else time.perf_counter), use_cpu
-
-
-def timed(fn: Callable[[], object], dev: torch.device, clock: str = "auto") -> float:
-    """Seconds of one call: CPU time of this process on CPU (robust to other jobs on a shared machine), else synced wall time."""
-    now, _ = _clocks(dev, clock)
-    _sync(dev)
-    t0 = now()
-    fn()
-    _sync(dev)
-    return now() - t0
-
-
-@torch.no_grad()
-def time_forward(model: nn.Module, lengths: Sequence[int], reps: int = 5, batch: int = 1, seed: int = 0,
-                 clock: str = "auto", warmup: int = 1) -> pd.DataFrame:
-    """Denoiser forward time per length (batch `batch`, random clean bytes): one row per length with the median and
-    min of `reps` timed calls (after `warmup` untimed ones) in the chosen clock, the median wall time and tokens/s."""
-    if not lengths or any(isinstance(L, bool) or not isinstance(L, int) or L < 1 for L in lengths):
-        raise ValueError(f"lengths={lengths!r}: expected a non-empty list of ints >= 1")
-    check_int("reps", reps)
-    dev = next(model.parameters()).device
-    now, _ = _clocks(dev, clock)
-    g = torch.Generator().manual_seed(seed)
-    was = model.training
-    model.eval()
-    rows = []
-    for L in lengths:
-        ids = torch.randint(0, model.cfg.vocab, (batch, L), generator=g).to(dev)
-        for _ in range(warmup):
-            model(ids)
-        ts, walls = [], []
-        for _ in range(reps):
-            _sync(dev)
-            t0, w0 = now(), time.perf_counter()
-            model(ids)
-            _sync(dev)
-            ts.append(now() - t0)
-            walls.append(time.perf_counter() - w0)
-        med = float(np.median(ts))
-        rows.append(dict(length=L, median_s=med, min_s=float(min(ts)), wall_s=float(np.median(walls)), reps=reps,
-                         tokens_per_s=batch * L / med))
-    model.train(was)
-    return pd.DataFrame(rows)
-
-
-def loglog_slope(lengths: Sequence[float], times: Sequence[float]) -> float:
-    """Least-squares slope of log(time) on log(length): 1 = linear, 2 = quadratic scaling."""
-    x, y = np.asarray(lengths, float), np.asarray(times, float)
-    if x.shape != y.shape or x.size < 2 or len(set(x.tolist())) < 2:
-        raise ValueError(f"lengths/times: expected two equal-length sequences with >= 2 distinct lengths, got {x.size} and {y.size}")
-    if (x <= 0).any() or (y <= 0).any() or not np.isfinite(y).all():
-        raise ValueError("lengths/times: expected positive finite values")
-    return float(np.polyfit(np.log(x), np.log(y), 1)[0])
-
-
-def crossover_length(lengths: Sequence[float], t_base: Sequence[float], t_new: Sequence[float]) -> float | None:
-    """First length at which `t_new` becomes faster than `t_base` (log-log interpolation); lengths[0] if it already is, None if never."""
-    x = np.log(np.asarray(lengths, float))
-    d = np.log(np.asarray(t_new, float)) - np.log(np.asarray(t_base, float))
-    if d[0] <= 0:
-        return float(np.exp(x[0]))
-    for i in range(len(x) - 1):
-        if d[i] > 0 >= d[i + 1]:
-            return float(np.exp(x[i] + (x[i + 1] - x[i]) * d[i] / (d[i] - d[i + 1])))
-    return None
-
-# %% ../../nbs/architectures/diffumamba.ipynb #4433f05f
-def corpus_windows(tokens: np.ndarray, n: int, length: int, seed: int = 0) -> Tensor:
-    """n random windows [n, length] int64 of a token array (seeded), e.g. a fixed validation set."""
-    if len(tokens) < length + 1:
-        raise ValueError(f"tokens: expected more than length={length} tokens, got {len(tokens)}")
-    starts = np.random.default_rng(seed).integers(0, len(tokens) - length, n)
-    return torch.from_numpy(np.stack([tokens[s:s + length] for s in starts]).astype(np.int64))
-
-
+# %% ../../nbs/architectures/diffumamba.ipynb #ff4780c2
 def train_denoiser(model: Denoiser, corpus, steps: int, lr: float, batch: int = 16, seed: int = 0,
                    schedule: str = "wsd", **train_kw):
     """Train `model` with the MDLM objective on `corpus` windows of the model's context with core.train.train; a TrainResult."""
@@ -567,3 +479,8 @@ def train_denoiser(model: Denoiser, corpus, steps: int, lr: float, batch: int = 
     dev = next(model.parameters()).device
     batches = (b[:, :ctx] for b in corpus.batches(batch, ctx - 1, seed=seed, device=dev))
     return train(model, batches, steps, lr=lr, schedule=schedule, loss_fn=mdlm_objective(seed), **train_kw)
+
+# %% ../../nbs/architectures/diffumamba.ipynb #9d06a1b5
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("timed", "time_forward", "loglog_slope", "crossover_length", "corpus_windows"),
+                          "kimi_papers.architectures.diffumamba_experiment")
