@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from kimi_papers.science.trajectory_heuristic import (
-    GODS_NUMBER, METHODS, N_STATES, QTM_HISTOGRAM, HeuristicConfig, HeuristicNet, PocketCube, baum_welch_update,
-    batched_weighted_astar, bwas_eval, fb_step_compiled, heuristic_fn,
-    hmm_forward_backward, initial_p_plus, local_ranking_accuracy, random_walk_trajectories,
-    ranking_in_range, scaled_log_emissions, states_by_depth, train_heuristic, trajectory_lengths,
-    tridiag_log_transitions)
+    METHODS, HeuristicConfig, HeuristicNet, baum_welch_update, fb_step_compiled, hmm_forward_backward,
+    initial_p_plus, scaled_log_emissions, trajectory_lengths, tridiag_log_transitions)
+from kimi_papers.science.trajectory_heuristic_experiment import (
+    GODS_NUMBER, N_STATES, QTM_HISTOGRAM, PocketCube, batched_weighted_astar, bwas_eval, heuristic_fn,
+    local_ranking_accuracy, random_walk_trajectories, ranking_in_range, states_by_depth, train_heuristic)
 from kimi_papers.core.kernels import compiled_ran
 from scipy.special import logsumexp as np_logsumexp
 
@@ -262,3 +262,33 @@ def test_cuda_matches_cpu(cube):
     assert cube.encode(np.arange(4), cu).device.type == "cuda"
     net, _ = train_heuristic("hmm", HeuristicConfig(steps=4, batch=4, k_max=5, em_every=2, width=16, depth=1), cube, cu)
     assert next(net.parameters()).device.type == "cuda"
+
+
+def test_moved_harness_names_still_resolve():
+    """Names that lived in the method module before the split resolve from the experiment module, with a warning."""
+    import kimi_papers.science.trajectory_heuristic as method
+    import kimi_papers.science.trajectory_heuristic_experiment as experiment
+    with pytest.warns(DeprecationWarning, match="trajectory_heuristic_experiment"):
+        assert method.PocketCube is experiment.PocketCube
+    with pytest.raises(AttributeError, match="no_such_name"):
+        method.no_such_name
+
+
+def test_posterior_labels_take_any_state_encoder():
+    """posterior_labels needs only `encode(idx, device)`: a toy encoder of a line's states gives the same labels as
+    the cube when the emissions are off (beta = 0: the dynamics alone)."""
+    from kimi_papers.science.trajectory_heuristic import posterior_labels, tridiag_log_transitions
+
+    class Line:
+        def encode(self, idx, device=None):
+            return F.one_hot(idx.long(), 8).float().to(device or "cpu")
+
+    idx = torch.tensor([[0, 1, 2, 1, -1], [0, 1, 2, 3, 4]])
+    lt = tridiag_log_transitions(initial_p_plus(7))
+    target = torch.nn.Linear(8, 8)
+    a = posterior_labels(idx, Line(), target, lt, beta=0.0, compiled=False)
+    b = posterior_labels(idx, PocketCube(), None, lt, beta=0.0, compiled=False)
+    torch.testing.assert_close(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1])
+    lg, _ = posterior_labels(idx, Line(), target, lt, beta=1.0, compiled=False)   # emissions from the target on Line
+    assert torch.allclose(lg.exp().sum(-1), torch.ones(2, 5))

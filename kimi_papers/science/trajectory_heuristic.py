@@ -6,166 +6,25 @@
 from __future__ import annotations
 
 import copy
-import heapq
-import itertools
 import math
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
+from typing import Protocol
 
-import numpy as np
-import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.config import check_int, model_cache_dir
-from ..core.io import atomic_write
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
-from ..core.train import train
+
 
 # %% auto #0
-__all__ = ['MOVES', 'N_PERM', 'N_TWIST', 'N_STATES', 'GODS_NUMBER', 'QTM_HISTOGRAM', 'fb_step_compiled', 'METHODS', 'PocketCube',
-           'random_walk_trajectories', 'trajectory_lengths', 'initial_p_plus', 'tridiag_log_transitions', 'fb_step',
-           'fb_scan', 'hmm_forward_backward', 'baum_welch_update', 'scaled_log_emissions', 'HeuristicNet',
-           'HeuristicConfig', 'posterior_labels', 'train_heuristic', 'heuristic_fn', 'states_by_depth',
-           'local_ranking_accuracy', 'ranking_in_range', 'batched_weighted_astar', 'bwas_eval']
+__all__ = ['fb_step_compiled', 'METHODS', 'trajectory_lengths', 'initial_p_plus', 'tridiag_log_transitions', 'fb_step', 'fb_scan',
+           'hmm_forward_backward', 'baum_welch_update', 'scaled_log_emissions', 'HeuristicNet', 'HeuristicConfig',
+           'StateEncoder', 'posterior_labels']
 
-# %% ../../nbs/science/trajectory_heuristic.ipynb #3c97d7fa
-MOVES = ("U", "U'", "R", "R'", "F", "F'")  # move m's inverse is m ^ 1
-N_PERM, N_TWIST = 5040, 729
-N_STATES = N_PERM * N_TWIST
-GODS_NUMBER = 14
-QTM_HISTOGRAM = (1, 6, 27, 120, 534, 2256, 8969, 33058, 114149, 360508, 930588, 1350852, 782536, 90280, 276)
-# Kociemba's corner moves on URF UFL ULB UBR DFR DLF DBL DRB: slot i receives cubie cp[i], its twist raised by co[i]
-_FACE_MOVES = {"U": ([3, 0, 1, 2, 4, 5, 6, 7], [0] * 8), "R": ([4, 1, 2, 0, 7, 5, 6, 3], [2, 0, 0, 1, 1, 0, 0, 2]),
-               "F": ([1, 5, 2, 3, 0, 4, 6, 7], [1, 2, 0, 0, 2, 1, 0, 0])}
-_KEEP = [0, 1, 2, 3, 4, 5, 7]  # DBL (slot 6) never moves under U, R, F: fixing it removes the whole-cube rotations
-
-
-def _seven_corner_moves() -> list[tuple[np.ndarray, np.ndarray]]:
-    """(cp, co) of the six quarter turns on the 7 free corners, in MOVES order."""
-    relabel = {old: new for new, old in enumerate(_KEEP)}
-    out = []
-    for face in "URF":
-        cp, co = _FACE_MOVES[face]
-        cp7 = np.array([relabel[cp[i]] for i in _KEEP])
-        co7 = np.array([co[i] for i in _KEEP])
-        prime_cp, prime_co = np.arange(7), np.zeros(7, int)
-        for _ in range(3):  # X' = X X X
-            prime_cp, prime_co = prime_cp[cp7], (prime_co[cp7] + co7) % 3
-        out += [(cp7, co7), (prime_cp, prime_co)]
-    return out
-
-
-def _perm_rank(p: np.ndarray) -> np.ndarray:
-    """Lexicographic rank of permutations p [n, 7] of 0..6 (the order of itertools.permutations); int64 [n]."""
-    n = p.shape[1]
-    rank = np.zeros(len(p), np.int64)
-    for i in range(n):
-        rank = rank * (n - i) + (p[:, i + 1:] < p[:, i:i + 1]).sum(1)
-    return rank
-
-
-def _twists() -> np.ndarray:
-    """Orientations [729, 7] of twist coordinate 0..728: 6 free base-3 digits, the 7th makes the sum 0 mod 3."""
-    digits = np.array(list(itertools.product(range(3), repeat=6)))
-    return np.concatenate([digits, (-digits.sum(1, keepdims=True)) % 3], 1)
-
-
-def _save_npy(path: Path, arr: np.ndarray) -> None:
-    with open(path, "wb") as fh:  # an open handle: given a path, np.save would append ".npy" to the temp name
-        np.save(fh, arr)
-
-
-class PocketCube:
-    """The 2x2x2 cube in the quarter-turn metric, DBL fixed: state index = perm * 729 + twist, goal = 0."""
-
-    def __init__(self):
-        self.perms = np.array(list(itertools.permutations(range(7))))  # [5040, 7]
-        self.twists = _twists()                                          # [729, 7]
-        moves = _seven_corner_moves()
-        self.perm_tab = np.stack([_perm_rank(self.perms[:, cp]) for cp, _ in moves], 1)
-        twist_code = (self.twists[:, :6] * 3 ** np.arange(5, -1, -1)).sum(1)
-        assert (twist_code == np.arange(N_TWIST)).all()
-        self.twist_tab = np.stack([((self.twists[:, cp] + co) % 3)[:, :6] @ 3 ** np.arange(5, -1, -1)
-                                   for cp, co in moves], 1)
-        self._feat = None
-
-    def move_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """(perm_tab int64 [5040, 6], twist_tab int64 [729, 6]): the coordinate after each move."""
-        return self.perm_tab, self.twist_tab
-
-    def apply(self, idx: np.ndarray, move: int) -> np.ndarray:
-        """States after `move` (0..5, see MOVES) from state indices idx (any shape, int64)."""
-        if isinstance(move, bool) or not isinstance(move, (int, np.integer)) or not 0 <= move < 6:
-            raise ValueError(f"move={move!r}: expected a move id in [0, 6)")
-        idx = np.asarray(idx, np.int64)
-        return self.perm_tab[idx // N_TWIST, move] * N_TWIST + self.twist_tab[idx % N_TWIST, move]
-
-    def neighbors(self, idx: np.ndarray) -> np.ndarray:
-        """All six successors of idx [n]: int64 [n, 6] in MOVES order."""
-        idx = np.asarray(idx, np.int64).reshape(-1)
-        return self.perm_tab[idx // N_TWIST] * N_TWIST + self.twist_tab[idx % N_TWIST]
-
-    def encode(self, idx: np.ndarray | Tensor, device: torch.device | str | None = None) -> Tensor:
-        """Network input of states idx [n]: one-hot cubie per slot (7x7) and twist per slot (7x3), float32 [n, 70]."""
-        if self._feat is None:
-            p = F.one_hot(torch.from_numpy(self.perms), 7).reshape(N_PERM, 49).float()
-            t = F.one_hot(torch.from_numpy(self.twists), 3).reshape(N_TWIST, 21).float()
-            self._feat = (p, t)
-        dev = idx.device if isinstance(idx, Tensor) and device is None else torch.device(device or "cpu")
-        i = torch.as_tensor(np.asarray(idx.cpu() if isinstance(idx, Tensor) else idx, np.int64)).reshape(-1)
-        p, t = (f.to(dev) for f in self._feat)
-        i = i.to(dev)
-        return torch.cat([p[i // N_TWIST], t[i % N_TWIST]], 1)
-
-    def bfs_distances(self, cache: bool = True) -> np.ndarray:
-        """Exact distance to the goal of every state, int8 [3674160]; cached atomically under the model cache."""
-        path = Path(model_cache_dir()).expanduser() / "pocket_cube_qtm_distances.npy"
-        if cache and path.is_file():
-            dist = np.load(path)
-            if dist.shape == (N_STATES,) and dist.dtype == np.int8:
-                return dist
-        dist = self._bfs()
-        if cache:
-            atomic_write(path, lambda tmp: _save_npy(tmp, dist))
-        return dist
-
-    def _bfs(self) -> np.ndarray:
-        """Breadth-first search from the goal, one vectorised frontier per depth."""
-        dist = np.full(N_STATES, -1, np.int8)
-        dist[0], frontier, d = 0, np.zeros(1, np.int64), 0
-        while frontier.size:
-            nb = self.neighbors(frontier).reshape(-1)
-            d += 1
-            dist[nb[dist[nb] < 0]] = d
-            frontier = np.flatnonzero(dist == d)
-        return dist
-
-# %% ../../nbs/science/trajectory_heuristic.ipynb #0281d82f
-def random_walk_trajectories(n: int, k_max: int, rng: np.random.Generator, cube: PocketCube,
-                             k_min: int = 1) -> tuple[np.ndarray, np.ndarray]:
-    """n scrambles from the goal that never undo the previous move: states int64 [n, k_max+1] (-1 after each
-    trajectory's end) and lengths int64 [n], uniform in [k_min, k_max]."""
-    check_int("n", n)
-    check_int("k_max", k_max)
-    check_int("k_min", k_min)
-    if k_min > k_max:
-        raise ValueError(f"k_min={k_min}: expected <= k_max={k_max}")
-    idx = np.zeros((n, k_max + 1), np.int64)
-    last = rng.integers(0, 6, n)
-    idx[:, 1] = cube.neighbors(idx[:, 0])[np.arange(n), last]
-    for t in range(2, k_max + 1):
-        r = rng.integers(0, 5, n)
-        last = r + (r >= (last ^ 1))  # skip the inverse of the previous move
-        idx[:, t] = cube.neighbors(idx[:, t - 1])[np.arange(n), last]
-    lengths = rng.integers(k_min, k_max + 1, n)
-    idx[np.arange(k_max + 1)[None] > lengths[:, None]] = -1
-    return idx, lengths
-
-
+# %% ../../nbs/science/trajectory_heuristic.ipynb #504231bd
 def trajectory_lengths(idx: Tensor) -> Tensor:
     """Lengths [B] (moves) of padded trajectories idx [B, T] (-1 = padding); raises unless every one starts at the goal."""
     if idx.ndim != 2 or idx.shape[1] < 2:
@@ -369,7 +228,13 @@ class HeuristicConfig:
                 raise ValueError(f"{name}={v!r}: expected a finite number {'> 0' if name == 'lr' else '>= 0'}")
 
 
-def posterior_labels(idx: Tensor, cube: PocketCube, target: nn.Module | None, log_trans: Tensor, beta: float,
+class StateEncoder(Protocol):
+    """What the method needs of an environment (the pocket cube, or yours): network inputs [n, F] of states idx [n]."""
+
+    def encode(self, idx: Tensor, device: torch.device | str | None = None) -> Tensor: ...
+
+
+def posterior_labels(idx: Tensor, cube: StateEncoder, target: nn.Module | None, log_trans: Tensor, beta: float,
                      compiled: bool = True) -> tuple[Tensor, Tensor]:
     """HMM soft labels of padded trajectories idx [B, T]: (log gamma [B, T, D+1], xi counts [D+1, 3]).
 
@@ -384,13 +249,7 @@ def posterior_labels(idx: Tensor, cube: PocketCube, target: nn.Module | None, lo
     return hmm_forward_backward(log_emit, log_trans, lengths.to(log_trans.device), compiled)
 
 
-def _trajectory_batches(cfg: HeuristicConfig, cube: PocketCube, device: torch.device):
-    rng = np.random.default_rng(cfg.seed)
-    while True:
-        yield torch.from_numpy(random_walk_trajectories(cfg.batch, cfg.k_max, rng, cube)[0]).to(device)
-
-
-def _make_loss(method: str, cfg: HeuristicConfig, cube: PocketCube, net: HeuristicNet, state: dict):
+def _make_loss(method: str, cfg: HeuristicConfig, cube: StateEncoder, net: HeuristicNet, state: dict):
     """loss_fn(model, idx) for core.train.train; the HMM arm keeps its target net, dynamics and EM counts in `state`."""
     def loss_fn(model: nn.Module, idx: Tensor) -> tuple[Tensor, dict]:
         on = idx[:, 1:] >= 0                                   # labelled states: t >= 1 inside each trajectory
@@ -415,121 +274,11 @@ def _make_loss(method: str, cfg: HeuristicConfig, cube: PocketCube, net: Heurist
     return loss_fn
 
 
-def train_heuristic(method: str, cfg: HeuristicConfig, cube: PocketCube,
-                    device: torch.device | str = "cpu") -> tuple[HeuristicNet, dict]:
-    """Train one arm with Adam on fresh scrambles (the same stream for every method at a seed): (net, info)."""
-    if method not in METHODS:
-        raise ValueError(f"method={method!r}: expected one of {METHODS}")
-    dev = torch.device(device)
-    torch.manual_seed(cfg.seed)
-    net = HeuristicNet(cfg.d_max, cfg.width, cfg.depth, scalar=method == "mse_depth").to(dev)
-    state = {"step": 0, "round": 0, "target": None, "p_plus": initial_p_plus(cfg.d_max),
-             "xi": torch.zeros(cfg.d_max + 1, 3)}
-    res = train(net, _trajectory_batches(cfg, cube, dev), cfg.steps, lr=cfg.lr, schedule="constant", warmup=0.0,
-                weight_decay=0.0, betas=(0.9, 0.999), grad_clip=None, loss_fn=_make_loss(method, cfg, cube, net, state),
-                log_every=max(1, cfg.steps // 50), count_flops=False, desc=method)
-    return net, {"history": res.history, "seconds": res.seconds, "p_plus": state["p_plus"].clone(),
-                 "em_rounds": state["round"]}
+# %% ../../nbs/science/trajectory_heuristic.ipynb #cf24fcb8
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, (
+    'MOVES', 'N_PERM', 'N_TWIST', 'N_STATES', 'GODS_NUMBER', 'QTM_HISTOGRAM', 'PocketCube',
+    'random_walk_trajectories', 'train_heuristic', 'heuristic_fn', 'states_by_depth', 'local_ranking_accuracy',
+    'ranking_in_range', 'batched_weighted_astar', 'bwas_eval'),
+    "kimi_papers.science.trajectory_heuristic_experiment")
 
-# %% ../../nbs/science/trajectory_heuristic.ipynb #28db288c
-def heuristic_fn(net: HeuristicNet, cube: PocketCube, chunk: int = 65536) -> Callable[[np.ndarray], np.ndarray]:
-    """h(idx [n]) -> float64 [n] from a trained net, batched, without gradients, on the net's device."""
-    dev = next(net.parameters()).device
-
-    def h(idx: np.ndarray) -> np.ndarray:
-        idx = np.asarray(idx, np.int64).reshape(-1)
-        with torch.no_grad():
-            return np.concatenate([net.heuristic(cube.encode(idx[i:i + chunk], dev)).double().cpu().numpy()
-                                   for i in range(0, max(len(idx), 1), chunk)])[:len(idx)]
-    return h
-
-
-def states_by_depth(dist: np.ndarray, per_depth: int, depths: range, rng: np.random.Generator) -> np.ndarray:
-    """Up to `per_depth` distinct states drawn uniformly at each distance in `depths`: int64 [n]."""
-    check_int("per_depth", per_depth)
-    picks = []
-    for d in depths:
-        pool = np.flatnonzero(dist == d)
-        picks.append(rng.choice(pool, min(per_depth, len(pool)), replace=False))
-    return np.concatenate(picks).astype(np.int64)
-
-
-def local_ranking_accuracy(h_fn: Callable[[np.ndarray], np.ndarray], idx: np.ndarray, dist: np.ndarray,
-                           cube: PocketCube) -> dict:
-    """Search-free heuristic quality on states idx [n]: pairwise accuracy (h(a) < h(b) for a one step closer,
-    b one step farther; ties 1/2) and top-1 (the best-scored neighbour is closer), overall and by distance."""
-    idx = np.asarray(idx, np.int64)
-    nb = cube.neighbors(idx)
-    d, dn = dist[idx].astype(int), dist[nb].astype(int)
-    if (d == 0).any():
-        raise ValueError("idx: the goal has no closer neighbour; leave it out")
-    h = np.concatenate([h_fn(idx), h_fn(nb.reshape(-1))])[len(idx):].reshape(nb.shape)
-    closer, farther = dn == d[:, None] - 1, dn == d[:, None] + 1
-    a, b = h[:, :, None], h[:, None, :]
-    pair_ok = ((a < b) + 0.5 * (a == b)) * (closer[:, :, None] & farther[:, None, :])
-    n_pairs = closer.sum(1) * farther.sum(1)
-    has = n_pairs > 0
-    pair = np.where(has, pair_ok.sum((1, 2)) / np.maximum(n_pairs, 1), np.nan)
-    best = h == h.min(1, keepdims=True)
-    top1 = (best & closer).sum(1) / best.sum(1)
-    by = pd.DataFrame({"d": d, "pairwise": pair, "top1": top1}).groupby("d").agg(
-        pairwise=("pairwise", "mean"), top1=("top1", "mean"), n=("top1", "size")).reset_index()
-    return {"pairwise": float(np.nanmean(pair)), "top1": float(top1.mean()), "by_depth": by,
-            "per_state": pd.DataFrame({"d": d, "pairwise": pair, "top1": top1})}
-
-
-def ranking_in_range(res: dict, lo: int, hi: int) -> float:
-    """Mean per-state pairwise accuracy of `local_ranking_accuracy`'s result over distances lo..hi."""
-    ps = res["per_state"]
-    return float(ps[(ps.d >= lo) & (ps.d <= hi)].pairwise.mean())
-
-
-def batched_weighted_astar(h_fn: Callable[[np.ndarray], np.ndarray], start: int, cube: PocketCube, lam: float = 0.6,
-                           batch: int = 64, budget: int = 2000) -> tuple[bool, float, int]:
-    """DeepCubeA's batched weighted A*: pop the `batch` lowest f = lam*g + h nodes, expand them together, stop when
-    a child is the goal or `budget` expansions are spent. Returns (solved, solution length or nan, expansions)."""
-    check_int("batch", batch)
-    check_int("budget", budget)
-    if not 0 <= start < N_STATES:
-        raise ValueError(f"start={start!r}: expected a state index in [0, {N_STATES})")
-    if start == 0:
-        return True, 0.0, 0
-    g = {int(start): 0}
-    closed: set[int] = set()
-    heap = [(float(h_fn(np.array([start]))[0]), 0, int(start))]
-    spent = 0
-    while heap and spent < budget:
-        nodes = []
-        while heap and len(nodes) < min(batch, budget - spent):
-            _, gn, s = heapq.heappop(heap)
-            if s not in closed and g[s] == gn:
-                closed.add(s)
-                nodes.append(s)
-        if not nodes:
-            break
-        spent += len(nodes)
-        kids = cube.neighbors(np.array(nodes))
-        kid_g = np.repeat([g[s] + 1 for s in nodes], 6)
-        flat = kids.reshape(-1)
-        if (flat == 0).any():
-            return True, float(kid_g[flat == 0].min()), spent
-        fresh = {}
-        for s, gs in zip(flat.tolist(), kid_g.tolist()):
-            if s not in closed and gs < g.get(s, 1 << 30) and gs < fresh.get(s, 1 << 30):
-                fresh[s] = gs
-        if fresh:
-            states = np.fromiter(fresh, np.int64, len(fresh))
-            for s, hs in zip(states.tolist(), h_fn(states).tolist()):
-                g[s] = fresh[s]
-                heapq.heappush(heap, (lam * fresh[s] + hs, fresh[s], s))
-    return False, math.nan, spent
-
-
-def bwas_eval(h_fn: Callable[[np.ndarray], np.ndarray], starts: np.ndarray, dist: np.ndarray, cube: PocketCube,
-              budget: int, lam: float = 0.6, batch: int = 64) -> dict:
-    """BWAS on every start: solve rate, mean solution length / optimal over solved ones, mean expansions."""
-    runs = [batched_weighted_astar(h_fn, int(s), cube, lam, batch, budget) for s in starts]
-    solved = np.array([r[0] for r in runs])
-    ratio = np.array([r[1] / dist[s] for r, s in zip(runs, starts) if r[0]])
-    return {"solve_rate": float(solved.mean()), "length_ratio": float(ratio.mean()) if len(ratio) else math.nan,
-            "expansions": float(np.mean([r[2] for r in runs]))}
