@@ -15,10 +15,11 @@ import torch
 from kimi_papers.core.rl.rollout import scripted_policy
 from kimi_papers.core.sandbox import bwrap_available
 from kimi_papers.decoding.code_sim import (
-    KINDS, LEVELS, RouteConfig, Task, after_code, bootstrap_mean_diffs, bootstrap_mean_diffs_compiled,
-    bootstrap_mean_diffs_numpy, cell_bootstrap, extract_code, generate_texts, make_tasks, mcnemar, paired_bootstrap,
-    parse_answer, parse_output, prompt_code, prompt_nl, prompt_reconstruct, prompt_sim, reference_program,
+    KINDS, RouteConfig, Task, after_code, bootstrap_mean_diffs, bootstrap_mean_diffs_compiled,
+    bootstrap_mean_diffs_numpy, cell_bootstrap, extract_code, generate_texts, mcnemar, paired_bootstrap,
+    parse_answer, parse_output, prompt_code, prompt_nl, prompt_reconstruct, prompt_sim,
     resample_indices, risk_model, run_sandboxed, score_execution)
+from kimi_papers.decoding.code_sim_experiment import LEVELS, make_tasks, reference_program
 
 needs_bwrap = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap cannot create namespaces here")
 
@@ -284,3 +285,24 @@ def test_risk_model_accounting():
     assert math.isclose(r["q_nl_implied"], (2 / 6) / 0.5) and r["exec_dominates"]
     with pytest.raises(ValueError, match="r3_ok"):
         risk_model(df.drop(columns="r3_ok"))
+
+
+def test_paired_bootstrap_is_the_ledgers_statistic_on_another_stream():
+    """Same point estimate and (to resampling noise) the same interval as core.ledger.Estimate.bootstrap; not the same
+    endpoints, so the kernel cannot replace the ledger's rows (or the reverse) without moving numbers."""
+    from kimi_papers.core.ledger import Estimate
+    rng = np.random.default_rng(0)
+    a, b = (rng.random(120) < 0.6).astype(float), (rng.random(120) < 0.4).astype(float)
+    m, lo, hi = paired_bootstrap(a, b, n_boot=4000, seed=1)
+    e = Estimate.bootstrap(a, b, statistic=lambda u, v: u.mean() - v.mean(), n_boot=4000, seed=1)
+    assert m == pytest.approx(e.value, abs=1e-12)
+    assert lo == pytest.approx(e.low, abs=0.03) and hi == pytest.approx(e.high, abs=0.03)
+    assert (lo, hi) != (e.low, e.high)
+
+
+def test_moved_harness_names_resolve_with_a_warning():
+    from kimi_papers.decoding import code_sim, code_sim_experiment
+    with pytest.warns(DeprecationWarning, match="code_sim_experiment"):
+        assert code_sim.make_tasks is code_sim_experiment.make_tasks
+    with pytest.raises(AttributeError):
+        code_sim.no_such_name

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ast
 import json
 import math
-import random
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -19,28 +18,21 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
 from ..core.rl.rollout import Policy, generate
 from ..core.sandbox import run_python
 
 # %% auto #0
-__all__ = ['KINDS', 'LEVELS', 'MUL_DIGITS', 'GCD_MAX', 'LIST_LEN', 'WORD_LEN', 'GCD_Q', 'NL_PROMPT', 'CODE_PROMPT', 'SIM_PROMPT',
-           'RECON_PROMPT', 'ALLOWED_IMPORTS', 'EXEC_STATUSES', 'FAILURES', 'ROUTES', 'ROUTE_NAMES', 'STOP_CODE',
-           'STOP_PROSE', 'bootstrap_mean_diffs_compiled', 'Task', 'words_by_level', 'make_task', 'make_tasks',
-           'reference_program', 'prompt_nl', 'prompt_code', 'prompt_sim', 'prompt_reconstruct', 'coerce',
-           'parse_answer', 'extract_code', 'after_code', 'parse_output', 'ExecResult', 'run_sandboxed',
-           'score_execution', 'RouteConfig', 'generate_texts', 'run_routes', 'bootstrap_mean_diffs',
-           'bootstrap_mean_diffs_numpy', 'resample_indices', 'paired_bootstrap', 'cell_bootstrap', 'mcnemar',
-           'risk_model']
+__all__ = ['KINDS', 'GCD_Q', 'NL_PROMPT', 'CODE_PROMPT', 'SIM_PROMPT', 'RECON_PROMPT', 'ALLOWED_IMPORTS', 'EXEC_STATUSES',
+           'FAILURES', 'ROUTES', 'ROUTE_NAMES', 'STOP_CODE', 'STOP_PROSE', 'bootstrap_mean_diffs_compiled', 'Task',
+           'prompt_nl', 'prompt_code', 'prompt_sim', 'prompt_reconstruct', 'coerce', 'parse_answer', 'extract_code',
+           'after_code', 'parse_output', 'ExecResult', 'run_sandboxed', 'score_execution', 'RouteConfig',
+           'generate_texts', 'run_routes', 'bootstrap_mean_diffs', 'bootstrap_mean_diffs_numpy', 'resample_indices',
+           'paired_bootstrap', 'cell_bootstrap', 'mcnemar', 'risk_model']
 
 # %% ../../nbs/decoding/code_sim.ipynb #3665a592
 KINDS = ("add", "sub", "mul", "gcd", "max", "sum5", "sort", "count")
-LEVELS = (1, 2, 3, 4)
-MUL_DIGITS = {1: (1, 1), 2: (2, 1), 3: (2, 2), 4: (3, 2)}      # digits of the two factors per level
-GCD_MAX = {1: 12, 2: 30, 3: 60, 4: 100}                       # largest operand of a gcd per level
-LIST_LEN = {"max": {1: 3, 2: 5, 3: 7, 4: 9}, "sort": {1: 3, 2: 4, 3: 5, 4: 6}}
-WORD_LEN = {1: (4, 5), 2: (6, 8), 3: (9, 11), 4: (12, 16)}    # letters of the word in a letter count
 
 
 @dataclass(frozen=True)
@@ -52,89 +44,6 @@ class Task:
     answer: Any
     set_id: int = 0
 
-
-def _digits(rng: random.Random, d: int) -> int:
-    """A uniform d-digit positive integer (one digit: 1..9, zero excluded)."""
-    return rng.randint(1 if d == 1 else 10 ** (d - 1), 10 ** d - 1)
-
-
-_WORDS: dict[int, list[str]] = {}
-
-
-def words_by_level() -> dict[int, list[str]]:
-    """Lower-case words of the stdlib's pydoc topics text, bucketed by level (word length), cached."""
-    if not _WORDS:
-        from pydoc_data.topics import topics
-        vocab = sorted({w for k in sorted(topics) for w in re.findall(r"\b[a-z]+\b", topics[k])})
-        _WORDS.update({lv: [w for w in vocab if lo <= len(w) <= hi] for lv, (lo, hi) in WORD_LEN.items()})
-    return _WORDS
-
-
-def make_task(kind: str, level: int, rng: random.Random, set_id: int = 0) -> Task:
-    """One problem of `kind` at `level`, drawn with `rng`."""
-    if kind in ("add", "sub"):
-        a, b = _digits(rng, level), _digits(rng, level)
-        if kind == "add":
-            return Task(kind, level, f"What is {a} + {b}?", a + b, set_id)
-        a, b = max(a, b), min(a, b)  # non-negative differences
-        return Task(kind, level, f"What is {a} - {b}?", a - b, set_id)
-    if kind == "mul":
-        da, db = MUL_DIGITS[level]
-        a, b = _digits(rng, da), _digits(rng, db)
-        return Task(kind, level, f"What is {a} * {b}?", a * b, set_id)
-    if kind == "gcd":
-        a, b = rng.randint(2, GCD_MAX[level]), rng.randint(2, GCD_MAX[level])
-        return Task(kind, level, f"What is the greatest common divisor of {a} and {b}?", math.gcd(a, b), set_id)
-    if kind in ("max", "sort"):
-        xs = [rng.randint(1, 99) for _ in range(LIST_LEN[kind][level])]
-        if kind == "max":
-            return Task(kind, level, f"What is the largest number in the list {xs}?", max(xs), set_id)
-        return Task(kind, level, f"Sort the list {xs} in ascending order.", tuple(sorted(xs)), set_id)
-    if kind == "sum5":
-        xs = [_digits(rng, level) for _ in range(5)]
-        return Task(kind, level, f"What is the sum of {', '.join(map(str, xs))}?", sum(xs), set_id)
-    if kind == "count":
-        word = rng.choice(words_by_level()[level])
-        letter = rng.choice(word)  # a letter drawn by position, so repeated letters are likelier
-        return Task(kind, level, f'How many times does the letter "{letter}" appear in the word "{word}"?',
-                    word.count(letter), set_id)
-    raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
-
-
-def make_tasks(kinds: Sequence[str] = KINDS, levels: Sequence[int] = LEVELS, n: int = 32, seed: int = 0) -> list[Task]:
-    """`n` problems balanced over kinds x levels (cycled in that order), drawn with `seed`; `set_id` = seed."""
-    kinds, levels = list(kinds), list(levels)
-    if not kinds or any(k not in KINDS for k in kinds):
-        raise ValueError(f"kinds={kinds!r}: expected a non-empty list drawn from {KINDS}")
-    if not levels or any(isinstance(v, bool) or v not in LEVELS for v in levels):
-        raise ValueError(f"levels={levels!r}: expected a non-empty list drawn from {LEVELS}")
-    check_int("n", n)
-    check_int("seed", seed, 0)
-    rng = random.Random(seed)
-    cells = [(k, lv) for lv in levels for k in kinds]
-    return [make_task(*cells[i % len(cells)], rng, seed) for i in range(n)]
-
-
-def reference_program(task: Task) -> str:
-    """A correct Python program that prints the task's answer (the executor's positive control)."""
-    q = task.question
-    nums = [int(x) for x in re.findall(r"\d+", q)]
-    if task.kind == "add":
-        return f"print({nums[0]} + {nums[1]})"
-    if task.kind == "sub":
-        return f"print({nums[0]} - {nums[1]})"
-    if task.kind == "mul":
-        return f"print({nums[0]} * {nums[1]})"
-    if task.kind == "gcd":
-        return f"import math\nprint(math.gcd({nums[0]}, {nums[1]}))"
-    if task.kind == "max":
-        return f"print(max({nums}))"
-    if task.kind == "sort":
-        return f"print(sorted({nums}))"
-    if task.kind == "sum5":
-        return f"print(sum({nums}))"
-    letter, word = re.findall(r'"([a-z]+)"', q)
-    return f"print({word!r}.count({letter!r}))"
 
 # %% ../../nbs/decoding/code_sim.ipynb #47156fea
 GCD_Q = "What is the greatest common divisor of 12 and 18?"
@@ -509,7 +418,8 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 10_00
                      compiled: bool = True) -> tuple[float, float, float]:
     """(mean(a) - mean(b), 2.5% and 97.5% percentiles of its paired bootstrap) over N >= 2 units; a, b [N] 0/1 or float.
 
-    The point estimate is the sample difference, not the replicates' mean."""
+    The point estimate is the sample difference, not the replicates' mean. The one-cell case of the kernel (torch
+    resample stream); the ledger rows use `core.ledger.Estimate.bootstrap`, whose numpy stream gives other endpoints."""
     a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a64.ndim != 1 or a64.shape != b64.shape:
         raise ValueError(f"a, b: expected two 1-d sequences of the same length, got shapes {a64.shape} and {b64.shape}")
@@ -522,7 +432,9 @@ def paired_bootstrap(a: Sequence[float], b: Sequence[float], n_boot: int = 10_00
 
 def cell_bootstrap(a: np.ndarray, b: np.ndarray, sizes: Sequence[int], n_boot: int = 10_000, seed: int = 0,
                    compiled: bool = True, device: torch.device | str = "cpu") -> list[tuple[float, float, float]]:
-    """Per cell (mean difference, lo, hi): a, b [C, N] (cell c uses its first sizes[c] units), paired resampling."""
+    """Per cell (mean difference, lo, hi): a, b [C, N] (cell c uses its first sizes[c] units), paired resampling.
+
+    Not a copy of `Estimate.bootstrap` (one statistic, a Python loop over resamples): all C cells in one compiled call."""
     a_t = torch.as_tensor(np.asarray(a, dtype=np.float32), device=device)
     b_t = torch.as_tensor(np.asarray(b, dtype=np.float32), device=device)
     _check_pair(a_t, b_t)
@@ -568,3 +480,8 @@ def risk_model(df: "pd.DataFrame") -> dict[str, float]:
             "predicted_r2": q_code * (1 - e_lm) if r3.any() else 0.0, "observed_r2": float(r2.mean()),
             "r2_right_r3_wrong": float((r2 & ~r3).mean()), "exec_dominates": bool(q_code > acc1),
             "code_non_inferior": bool(q_nl == q_nl and q_code >= q_nl)}
+
+# %% ../../nbs/decoding/code_sim.ipynb #c0e6a3b9
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("LEVELS", "MUL_DIGITS", "GCD_MAX", "LIST_LEN", "WORD_LEN", "words_by_level",
+                                     "make_task", "make_tasks", "reference_program"), "kimi_papers.decoding.code_sim_experiment")

@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['STRING_CHARS', 'SCHEMA', 'KINDS', 'ARMS', 'schema_regex', 'answer_schema', 'answer_correct', 'parse_json_answer', 'strict_correct', 'WordProblem', 'make_problems', 'ArmConfig', 'run_arms']
 
 # %% ../../nbs/decoding/dccd.ipynb #d5c1e7a0
-
 import functools
 import json
 import random

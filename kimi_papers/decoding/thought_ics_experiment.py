@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['ARMS', 'make_chain_problems', 'thought_marks', 'RunConfig', 'run_arms']
 
 # %% ../../nbs/decoding/thought_ics.ipynb #f2c8e7b6
-
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
