@@ -9,11 +9,12 @@ from scipy.stats import wasserstein_distance
 
 from kimi_papers.core.rl import Episode, RolloutBatch, flat_grad, get_advantage, grad_variance, grpo_advantage
 from kimi_papers.rl.hpo import (
-    PARAPHRASES, KeyDoorCorridor, OneHotIntents, OracleIntents, RandomIntents, coef_schedule, corridor_configs,
-    embed_steps, hpo_advantage, hpo_advantages, hpo_step_weights, identity_cost, marginal_error, min_steps,
-    newton_semidual, oracle_credit_advantage, oracle_intent, oracle_step_weights, pairwise_cost, parse_observation,
-    play, policy_for, policy_loss, random_credit_advantage, random_step_weights, sinkhorn_potentials, softmin,
-    softmin_compiled, step_table, transport_plan)
+    OneHotIntents, RandomIntents, coef_schedule, embed_steps, hpo_advantage, hpo_advantages, hpo_step_weights,
+    identity_cost, marginal_error, newton_semidual, pairwise_cost, sinkhorn_potentials, softmin, softmin_compiled,
+    step_table, transport_plan)
+from kimi_papers.rl.hpo_experiment import (
+    PARAPHRASES, KeyDoorCorridor, OracleIntents, corridor_configs, min_steps, oracle_credit_advantage, oracle_intent,
+    oracle_step_weights, parse_observation, play, policy_for, policy_loss, random_credit_advantage, random_step_weights)
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -312,3 +313,11 @@ def test_random_credit_null_arm():
     assert torch.equal(a, grpo_advantage(b))  # c = 0: GRPO exactly
     a5 = random_credit_advantage(b, 0.5, _gen(7))
     assert torch.allclose(a5[8:], grpo_advantage(b)[8:] / 1.5)  # an all-failed group gets no noise
+
+
+def test_harness_names_moved_to_the_experiment_module():
+    import kimi_papers.rl.hpo as method
+    with pytest.warns(DeprecationWarning, match="hpo_experiment"):
+        assert method.KeyDoorCorridor is KeyDoorCorridor
+    with pytest.raises(AttributeError):
+        method.no_such_name
