@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['FIRST_NAMES', 'LAST_NAMES', 'ATTRIBUTES', 'SCD_DEFAULTS', 'F1_ARMS', 'qa_document', 'qa_text', 'QAPrompt', 'qa_prompts', 'qa_stream', 'packed_batches', 'normalize_answer', 'answer_f1', 'TextCodec', 'byte_codec', 'hf_codec', 'hf_lm_loss', 'lora_finetune', 'method_bytes', 'ttft_model', 'token_nll', 'greedy_answer', 'relative_error', 'Pair', 'tiny_pair', 'smollm2_pair', 'fit_codecs', 'profile_layers', 'timed', 'evaluate_prompt', 'run_seed']
 
 # %% ../../nbs/serving/semantic_cache_distill.ipynb #scdx0001
-
 import string
 import time
 from dataclasses import dataclass, field
