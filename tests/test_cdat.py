@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from kimi_papers.architectures.cdat import (ARMS, CDAT, KINDS, EnergyTransformer, GraphTransformer, build_arm, cann_gain,
+from kimi_papers.architectures.cdat import (CDAT, EnergyTransformer, GraphTransformer, adjacency_from_edges, cann_gain,
                                             dynamics_step, dynamics_step_autograd, dynamics_step_compiled, edge_index,
-                                            energy_grad, energy_layernorm, evaluate, fit, gad_metrics, gcn_propagate,
-                                            hopfield_energy, inject_anomalies, knn_graph, laplacian_pe, make_graph,
-                                            sbm_graph, softmax_attention_energy, split_nodes, total_energy, unit,
+                                            energy_grad, energy_layernorm, gcn_propagate, hopfield_energy, knn_graph,
+                                            laplacian_pe, softmax_attention_energy, total_energy, unit,
                                             vmf_attention_energy)
+from kimi_papers.architectures.cdat_experiment import (ARMS, KINDS, build_arm, evaluate, fit, gad_metrics, inject_anomalies,
+                                                       make_graph, sbm_graph, split_nodes)
 from kimi_papers.core.kernels import compiled_ran
 
 F64 = torch.float64
@@ -180,3 +181,24 @@ def test_cuda_forward_matches_cpu():
     cpu = model(g.inputs(), g.edges)
     gc = make_graph(*(v for v in (g.x.numpy(), g.adj, g.labels.numpy(), g.kind)), 4, 0, device="cuda")
     torch.testing.assert_close(model.cuda()(gc.inputs(), gc.edges).cpu(), cpu, rtol=1e-4, atol=1e-4)
+
+
+def test_adjacency_from_edges():
+    """An undirected edge list -> the symmetric adjacency (hand-checked), duplicates and self-loops dropped; bad ids named."""
+    a = adjacency_from_edges([(0, 1), (1, 0), (1, 2), (3, 3)], 4)
+    assert (a == np.array([[0, 1, 0, 0], [1, 0, 1, 0], [0, 1, 0, 0], [0, 0, 0, 0]], bool)).all()
+    assert edge_index(a).shape == (2, 4 + 4) and not adjacency_from_edges([], 3).any()
+    with pytest.raises(ValueError, match="pairs"):
+        adjacency_from_edges([(0, 4)], 4)
+    with pytest.raises(ValueError, match="pairs"):
+        adjacency_from_edges([(-1, 0)], 4)
+
+
+def test_moved_harness_names_resolve_with_a_warning():
+    """Names that moved to cdat_experiment in the module split still import from cdat (deprecated)."""
+    import kimi_papers.architectures.cdat as method
+    import kimi_papers.architectures.cdat_experiment as experiment
+    with pytest.warns(DeprecationWarning, match="cdat_experiment"):
+        assert method.fit is experiment.fit and method.make_graph is experiment.make_graph
+    with pytest.raises(AttributeError, match="no_such_name"):
+        method.no_such_name
