@@ -7,9 +7,10 @@ import torch
 
 from kimi_papers.core.kernels import compiled_ran
 from kimi_papers.rl.udm_grpo import (
-    DigitReward, TinyUDM, UDMGRPOConfig, UniformPath, dequantize, group_adv, load_digit_tokens, make_train_pairs,
-    noise_scaled_oscillation, oscillation, quantize_digits, reward_sampling_var, token_mean_logp, train_udm_grpo,
+    UDMGRPOConfig, UniformPath, group_adv, make_train_pairs, reward_sampling_var, token_mean_logp, train_udm_grpo,
     udm_grpo_loss, udm_sample, udm_step, udm_step_compiled, udm_step_reference, within_class_diversity)
+from kimi_papers.rl.udm_grpo_experiment import (
+    DigitReward, TinyUDM, dequantize, load_digit_tokens, noise_scaled_oscillation, oscillation, quantize_digits)
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -277,3 +278,10 @@ def test_cuda_matches_cpu():
     assert x1.device.type == "cuda" and st.device.type == "cuda"
     assert UniformPath(4).forward_noise(x1, 0.5).device.type == "cuda"
     assert token_mean_logp(mc, x1, 0.5, x1, torch.tensor([1, 2], device=cu)).device.type == "cuda"
+
+
+def test_moved_names_resolve_from_the_method_module():
+    import kimi_papers.rl.udm_grpo as m
+    for name in ("TinyUDM", "DigitReward", "pretrained_base"):
+        with pytest.warns(DeprecationWarning, match=name):
+            assert getattr(m, name) is not None

@@ -9,28 +9,26 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from ..core.config import check_int
+from ..core.config import check_int, moved_names
 from ..core.kernels import compile_fn
-from ..core.nn import LMConfig, MaskedLM
 from ..core.rl import aggregate, check_rewards, freeze_reference, group_mean, kl_penalty, reinforce_loss
 from ..core.token_stats import gumbel_noise, token_stats_from_logits
-from ..core.train import train
+
+# a verifiable reward: (clean samples x₁ [N, L] int64, classes [N] int64) -> (score [N] float32, correct [N] bool)
+Reward = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
 # %% auto #0
-__all__ = ['udm_step_compiled', 'BASE_CFG', 'UniformPath', 'quantize_digits', 'dequantize', 'DigitData', 'load_digit_tokens',
-           'DigitReward', 'TinyUDM', 'guided_logits', 'udm_step_reference', 'udm_step', 'udm_sample', 'group_adv',
-           'TrainPair', 'make_train_pairs', 'token_mean_logp', 'udm_grpo_loss', 'probe_kl', 'digit_batches',
-           'udm_pretrain_loss', 'pretrain_udm', 'within_class_diversity', 'evaluate_udm', 'UDMGRPOConfig', 'UDMRun',
-           'train_udm_grpo', 'oscillation', 'reward_sampling_var', 'noise_scaled_oscillation', 'base_fixture_path',
-           'pretrained_base']
+__all__ = ['Reward', 'udm_step_compiled', 'UniformPath', 'Denoiser', 'guided_logits', 'udm_step_reference', 'udm_step',
+           'udm_sample', 'group_adv', 'TrainPair', 'make_train_pairs', 'token_mean_logp', 'udm_grpo_loss', 'probe_kl',
+           'udm_pretrain_loss', 'within_class_diversity', 'evaluate_udm', 'UDMGRPOConfig', 'UDMRun', 'train_udm_grpo',
+           'reward_sampling_var']
 
 # %% ../../nbs/rl/udm_grpo.ipynb #de291af3
 def _uniform(shape: Sequence[int], gen: torch.Generator | None, device: torch.device) -> Tensor:
@@ -95,70 +93,6 @@ class UniformPath:
             raise ValueError(f"dt={dt!r}: expected values >= 0")
         return 1.0 - torch.exp(-d / (1.0 - tt))
 
-# %% ../../nbs/rl/udm_grpo.ipynb #d8e89f58
-def quantize_digits(X: np.ndarray | Tensor, K: int) -> Tensor:
-    """Pixels in [0, 16] (float/int, [N, 64]) -> tokens [N, 64] int64 in [0, K): level floor(x·K/17)."""
-    _check_K(K)
-    x = torch.as_tensor(np.asarray(X) if not isinstance(X, Tensor) else X, dtype=torch.float32)
-    if x.ndim != 2 or x.shape[0] == 0:
-        raise ValueError(f"X: expected a non-empty [N, pixels] array, got shape {tuple(x.shape)}")
-    if bool(((x < 0) | (x > 16) | x.isnan()).any()):
-        raise ValueError("X: expected pixel values in [0, 16] (sklearn load_digits)")
-    return (x * K / 17.0).floor().long().clamp(0, K - 1)
-
-
-def dequantize(tokens: Tensor, K: int) -> Tensor:
-    """Tokens [N, L] int in [0, K) -> pixels [N, L] float32 at the centre of each level, in [0, 16]."""
-    _check_K(K)
-    if tokens.dtype not in (torch.int64, torch.int32) or bool(((tokens < 0) | (tokens >= K)).any()):
-        raise ValueError(f"tokens: expected ints in [0, K={K})")
-    return ((tokens.float() + 0.5) * 17.0 / K - 0.5).clamp(0, 16)
-
-
-@dataclass
-class DigitData:
-    """load_digits split in two: `train` pretrains the UDM, `heldout` fits the reward classifier (tokens int64, labels)."""
-    K: int
-    train_x: Tensor
-    train_y: Tensor
-    heldout_x: Tensor
-    heldout_y: Tensor
-
-
-def load_digit_tokens(K: int = 4, heldout: float = 0.35, seed: int = 0) -> DigitData:
-    """sklearn's 1797 8×8 digits quantised to K levels, split (stratified, seeded) into a pretraining and a held-out part."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    if not 0 < heldout < 1:
-        raise ValueError(f"heldout={heldout!r}: expected a fraction in (0, 1)")
-    X, y = load_digits(return_X_y=True)
-    a, b, ya, yb = train_test_split(X, y, test_size=heldout, stratify=y, random_state=seed)
-    return DigitData(K, quantize_digits(a, K), torch.as_tensor(ya), quantize_digits(b, K), torch.as_tensor(yb))
-
-
-class DigitReward:
-    """Verifiable reward: a LogisticRegression on dequantised held-out digits. `(tokens, cls) -> (p(cls), argmax == cls)`."""
-
-    def __init__(self, data: DigitData, C: float = 1.0, seed: int = 0):
-        from sklearn.linear_model import LogisticRegression
-        self.K = data.K
-        self.clf = LogisticRegression(C=C, max_iter=3000, random_state=seed)
-        self.clf.fit(self._features(data.heldout_x), data.heldout_y.numpy())
-        self.accuracy = float(self.clf.score(self._features(data.train_x), data.train_y.numpy()))  # on the other split
-
-    def _features(self, tokens: Tensor) -> np.ndarray:
-        return dequantize(tokens.cpu(), self.K).numpy() / 16.0
-
-    def __call__(self, tokens: Tensor, cls: Tensor) -> tuple[Tensor, Tensor]:
-        """tokens [B, 64] int, cls [B] int -> (probability of the prompt class [B] float32, correct [B] bool), on tokens' device."""
-        if tokens.ndim != 2 or tokens.shape[0] != cls.shape[0] or tokens.shape[0] == 0:
-            raise ValueError(f"tokens/cls: expected [B, 64] and [B] with B >= 1, got {tuple(tokens.shape)} and {tuple(cls.shape)}")
-        p = self.clf.predict_proba(self._features(tokens))
-        c = cls.cpu().numpy()
-        prob = torch.as_tensor(p[np.arange(len(c)), c], dtype=torch.float32, device=tokens.device)
-        correct = torch.as_tensor(p.argmax(1) == c, device=tokens.device)
-        return prob, correct
-
 # %% ../../nbs/rl/udm_grpo.ipynb #5b6472e4
 def _as_long(name: str, x: Any, device: torch.device) -> Tensor:
     """A 1-D int64 tensor on `device` from a list / array / tensor of ints."""
@@ -168,62 +102,19 @@ def _as_long(name: str, x: Any, device: torch.device) -> Tensor:
     return t.long()
 
 
-class TinyUDM(MaskedLM):
-    """Class-conditional bidirectional UDM denoiser on core.nn's MaskedLM: a class token, learned positions and a
-    sinusoidal t-embedding added to every position. `forward(x_t [B, L] int64, t [B] or number, cls [B] int64)` ->
-    logits [B, L, K] over the clean token x₁. Class id `n_cls` is the null (unconditional) class for guidance."""
+class Denoiser(Protocol):
+    """What the sampler and the losses need from a UDM denoiser (an nn.Module such as `TinyUDM`): `K` token values,
+    length `L`, `n_cls` classes and `null_class` (= n_cls, for guidance), and the call
+    (x_t [B, L] int64, t [B] float32 or a number, cls [B] int64) -> logits [B, L, K] over the clean token x₁."""
+    K: int
+    L: int
+    n_cls: int
+    null_class: int
 
-    def __init__(self, K: int, L: int = 64, n_cls: int = 10, d: int = 64, layers: int = 2, heads: int = 4,
-                 d_ff: int | None = None):
-        _check_K(K)
-        check_int("L", L)
-        check_int("n_cls", n_cls)
-        super().__init__(LMConfig(vocab=K, d_model=d, n_layers=layers, n_heads=heads, max_len=L + 1,
-                                  d_ff=d_ff or 2 * d, pos="learned"))
-        self.K, self.L, self.n_cls = K, L, n_cls
-        self.cls_emb = nn.Embedding(n_cls + 1, d)
-        self.t_mlp = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, d))
-
-    @property
-    def null_class(self) -> int:
-        return self.n_cls
-
-    def t_features(self, t: Tensor) -> Tensor:
-        """Sinusoidal features of t [B] float32 -> [B, d] (frequencies 1..1000 over t·1000)."""
-        d = self.cfg.d_model
-        freq = torch.exp(-math.log(1000.0) * torch.arange(d // 2, device=t.device, dtype=torch.float32) / (d // 2))
-        ang = 1000.0 * t.float()[:, None] * freq[None]
-        return torch.cat([ang.sin(), ang.cos()], -1)
-
-    def check_inputs(self, x_t: Tensor, t: Any, cls: Any) -> tuple[Tensor, Tensor]:
-        """Validated (t [B] float32, cls [B] int64) on x_t's device; bad shapes, token ids, times or classes raise."""
-        if not isinstance(x_t, Tensor) or x_t.ndim != 2 or x_t.shape[1] != self.L or x_t.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"x_t: expected an int tensor [batch, {self.L}], got {getattr(x_t, 'dtype', type(x_t))} "
-                             f"{tuple(getattr(x_t, 'shape', ()))}")
-        B = x_t.shape[0]
-        if B == 0:
-            raise ValueError("x_t: the batch is empty")
-        if bool(((x_t < 0) | (x_t >= self.K)).any()):
-            raise ValueError(f"x_t: token ids must lie in [0, K={self.K})")
-        tt = torch.as_tensor(t, dtype=torch.float32, device=x_t.device).reshape(-1)
-        tt = tt.expand(B) if tt.numel() == 1 else tt
-        if tt.shape != (B,) or bool(((tt < 0) | (tt > 1) | tt.isnan()).any()):
-            raise ValueError(f"t: expected a number or [{B}] values in [0, 1]")
-        c = _as_long("cls", cls, x_t.device)
-        if c.shape != (B,) or bool(((c < 0) | (c > self.n_cls)).any()):
-            raise ValueError(f"cls: expected {B} class ids in [0, {self.n_cls - 1}] (or {self.n_cls} = null class)")
-        return tt, c
-
-    def forward(self, x_t: Tensor, t: Any, cls: Any) -> Tensor:
-        tt, c = self.check_inputs(x_t, t, cls)
-        h = torch.cat([self.cls_emb(c)[:, None], self.emb(x_t.long())], 1)
-        h = h + self.pos(torch.arange(self.L + 1, device=x_t.device)) + self.t_mlp(self.t_features(tt))[:, None]
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h)[:, 1:])
+    def __call__(self, x_t: Tensor, t: Any, cls: Any) -> Tensor: ...
 
 
-def guided_logits(model: TinyUDM, x_t: Tensor, t: Any, cls: Tensor, guidance: float = 1.0) -> Tensor:
+def guided_logits(model: Denoiser, x_t: Tensor, t: Any, cls: Tensor, guidance: float = 1.0) -> Tensor:
     """Classifier-free guidance: u + g·(c − u) with u the null-class logits [B, L, K]; g = 1 is one conditional call."""
     if guidance == 1.0:
         return model(x_t, t, cls)
@@ -269,7 +160,7 @@ def udm_step(logits: Tensor, x_t: Tensor, t: float | Tensor, dt: float | Tensor,
 
 
 @torch.no_grad()
-def udm_sample(model: TinyUDM, cls: Any, n_steps: int, guidance: float = 1.0, record: bool = True,
+def udm_sample(model: Denoiser, cls: Any, n_steps: int, guidance: float = 1.0, record: bool = True,
                gen: torch.Generator | None = None, *, cfg_free: bool = True, path: UniformPath | None = None,
                compiled: bool = True) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Reverse process from uniform noise: cls [B] -> (x₁ [B, L] int64, states [n, B, L] (x_{t_k} before step k),
@@ -353,7 +244,7 @@ def make_train_pairs(x1: Tensor, states: Tensor, draws: Tensor, ts: Sequence[flo
     return out
 
 
-def token_mean_logp(model: TinyUDM, state: Tensor, t: Any, action: Tensor, cls: Tensor) -> Tensor:
+def token_mean_logp(model: Denoiser, state: Tensor, t: Any, action: Tensor, cls: Tensor) -> Tensor:
     """log π_k = mean over the L tokens of log softmax(f_θ(s_k, t, c))[a]: [B] float32 (differentiable)."""
     if action.shape != state.shape:
         raise ValueError(f"action: expected the state's shape {tuple(state.shape)}, got {tuple(action.shape)}")
@@ -381,7 +272,7 @@ def udm_grpo_loss(logp: Tensor, ref_logp: Tensor, adv: Tensor, beta: float = 0.0
 
 
 @torch.no_grad()
-def probe_kl(model: TinyUDM, ref: TinyUDM, x1: Tensor, cls: Tensor, times: Sequence[float], seed: int = 0) -> float:
+def probe_kl(model: Denoiser, ref: Denoiser, x1: Tensor, cls: Tensor, times: Sequence[float], seed: int = 0) -> float:
     """Mean k3 of the token-mean log-ratio log π − log π_ref on one shared probe: x₁ [N, L] (e.g. base-model samples)
     forward-noised to each t in `times`, action x₁. The same states for every arm (a divergence reading, not an unbiased KL)."""
     gen, path = torch.Generator().manual_seed(seed), UniformPath(model.K)
@@ -396,15 +287,6 @@ def probe_kl(model: TinyUDM, ref: TinyUDM, x1: Tensor, cls: Tensor, times: Seque
     return float(torch.cat(vals).mean())
 
 # %% ../../nbs/rl/udm_grpo.ipynb #6e585100
-def digit_batches(data: DigitData, batch: int, seed: int = 0) -> Iterator[Tensor]:
-    """Endless seeded minibatches [batch, 1 + 64] int64 of the pretraining split: column 0 the class, then the tokens."""
-    check_int("batch", batch)
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.cat([data.train_y[:, None].long(), data.train_x], 1)
-    while True:
-        yield rows[torch.randint(0, rows.shape[0], (batch,), generator=g)]
-
-
 def udm_pretrain_loss(path: UniformPath, p_uncond: float = 0.1, seed: int = 0) -> Callable[[nn.Module, Tensor], tuple[Tensor, dict]]:
     """core.train loss: t ~ U(0, 1), x_t = ForwardNoise(x₁, t), cross-entropy of f_θ(x_t, t, c) against x₁ on every token;
     the class is replaced by the null class with probability p_uncond (so guidance is available)."""
@@ -424,16 +306,6 @@ def udm_pretrain_loss(path: UniformPath, p_uncond: float = 0.1, seed: int = 0) -
     return loss_fn
 
 
-def pretrain_udm(model: TinyUDM, data: DigitData, steps: int, *, batch: int = 64, lr: float = 3e-3, seed: int = 0,
-                 p_uncond: float = 0.1, shift: float = 1.0, progress: bool = False):
-    """Pretrain the denoiser for a fixed number of steps with core.train (AdamW, cosine schedule, grad clip 1)."""
-    if model.K != data.K:
-        raise ValueError(f"model.K={model.K} but data.K={data.K}: expected the same codebook")
-    batches = digit_batches(data, batch, seed)
-    return train(model, batches, steps, lr=lr, loss_fn=udm_pretrain_loss(UniformPath(model.K, shift), p_uncond, seed + 1),
-                 count_flops=False, progress=progress, desc="udm pretrain")
-
-
 def within_class_diversity(x: Tensor, cls: Tensor) -> float:
     """Mean over classes of the mean pairwise Hamming distance (fraction of the L tokens) between samples of a class."""
     vals = []
@@ -450,7 +322,7 @@ def within_class_diversity(x: Tensor, cls: Tensor) -> float:
 
 
 @torch.no_grad()
-def evaluate_udm(model: TinyUDM, reward: DigitReward, per_class: int, n_steps: int, seed: int, *, chunk: int = 500,
+def evaluate_udm(model: Denoiser, reward: Reward, per_class: int, n_steps: int, seed: int, *, chunk: int = 500,
                  compiled: bool = True, shift: float = 1.0) -> tuple[dict, Tensor, Tensor]:
     """Sample per_class images of every class with an n_steps sampler (seeded): ({acc, prob, diversity}, x₁ [N, L], cls [N])."""
     check_int("per_class", per_class)
@@ -512,11 +384,11 @@ class UDMRun:
     cfg: UDMGRPOConfig
     history: pd.DataFrame
     evals: pd.DataFrame
-    model: TinyUDM
+    model: Denoiser
     checkpoints: dict[int, dict] = field(default_factory=dict)
 
 
-def train_udm_grpo(cfg: UDMGRPOConfig, base: TinyUDM, reward: DigitReward) -> UDMRun:
+def train_udm_grpo(cfg: UDMGRPOConfig, base: Denoiser, reward: Reward) -> UDMRun:
     """Train a copy of `base` with UDM-GRPO (or the naive baseline, per cfg's switches); `base` stays the frozen reference."""
     if cfg.classes > base.n_cls:
         raise ValueError(f"classes={cfg.classes}: the model has only {base.n_cls} classes")
@@ -572,14 +444,6 @@ def train_udm_grpo(cfg: UDMGRPOConfig, base: TinyUDM, reward: DigitReward) -> UD
     return UDMRun(cfg, pd.DataFrame(rows), pd.DataFrame(evals), model, ckpts)
 
 
-def oscillation(curve: Sequence[float]) -> float:
-    """Reward oscillation: std (ddof = 1) of the first difference of a per-update curve."""
-    c = np.asarray(curve, dtype=np.float64)
-    if c.ndim != 1 or c.size < 3:
-        raise ValueError(f"curve: expected a 1-D curve of >= 3 points, got shape {c.shape}")
-    return float(np.diff(c).std(ddof=1))
-
-
 def reward_sampling_var(r: Tensor, group: int) -> float:
     """Sampling variance of the batch-mean reward at the batch's own per-prompt rates: mean over prompts of the
     within-group variance (ddof = 1, unbiased) / N, for r [prompts * group] ordered by prompt (N = r.numel())."""
@@ -588,54 +452,9 @@ def reward_sampling_var(r: Tensor, group: int) -> float:
         raise ValueError(f"r: expected a 1-D tensor of prompts x group={group} rewards, got shape {tuple(r.shape)}")
     return float(r.double().view(-1, group).var(1, unbiased=True).mean() / r.numel())
 
-
-def noise_scaled_oscillation(curve: Sequence[float], noise_var: Sequence[float]) -> float:
-    """Oscillation of a per-update reward curve in units of its own sampling noise: std (ddof = 1) of the first
-    difference over sqrt(mean of noise_var[t] + noise_var[t-1]) — about 1 (or less) when the batches differ only by
-    sampling noise at the run's own reward level, whatever that level is."""
-    c, v = np.asarray(curve, dtype=np.float64), np.asarray(noise_var, dtype=np.float64)
-    if c.ndim != 1 or c.size < 3 or v.shape != c.shape:
-        raise ValueError(f"curve, noise_var: expected two 1-D arrays of the same length >= 3, got {c.shape} and {v.shape}")
-    if not np.isfinite(v).all() or (v < 0).any():
-        raise ValueError("noise_var: expected finite variances >= 0")
-    expected = float(np.mean(v[1:] + v[:-1]))
-    return float(np.diff(c).std(ddof=1) / math.sqrt(expected)) if expected > 0 else math.nan
-
-# %% ../../nbs/rl/udm_grpo.ipynb #309a9e4f
-BASE_CFG = dict(K=4, d=64, layers=2, heads=4, pretrain_steps=300, batch=64, lr=3e-3, p_uncond=0.1, heldout=0.35, seed=0)
-
-
-def base_fixture_path(cfg: dict | None = None) -> Path:
-    """Where the committed pretrained base of `cfg` (default BASE_CFG) lives: tests/fixtures/udm_grpo/ (~0.4 MB)."""
-    from kimi_papers.core.config import project_root
-    c = dict(BASE_CFG, **(cfg or {}))
-    return project_root() / "tests" / "fixtures" / "udm_grpo" / \
-        f"base_K{c['K']}_d{c['d']}_l{c['layers']}_s{c['pretrain_steps']}_seed{c['seed']}.pt"
-
-
-def pretrained_base(fixture: bool = True, save_fixture: bool = False, progress: bool = False,
-                    **overrides: Any) -> tuple[TinyUDM, DigitData, dict]:
-    """The pretrained base UDM of BASE_CFG (+ overrides), its data split and info: loaded from the fixture when its
-    config matches, else pretrained here for the fixed step count (and saved atomically if `save_fixture`)."""
-    from kimi_papers.core.io import atomic_write
-    unknown = set(overrides) - set(BASE_CFG)
-    if unknown:
-        raise ValueError(f"unknown base option(s) {sorted(unknown)}; expected some of {sorted(BASE_CFG)}")
-    c = dict(BASE_CFG, **overrides)
-    data = load_digit_tokens(c["K"], c["heldout"], c["seed"])
-    torch.manual_seed(c["seed"])
-    model = TinyUDM(c["K"], d=c["d"], layers=c["layers"], heads=c["heads"])
-    path = base_fixture_path(c)
-    if fixture and path.is_file():
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if blob.get("cfg") == c:
-            model.load_state_dict(blob["state_dict"])
-            return model.eval(), data, dict(blob["info"], source=path.name)
-    t0 = time.perf_counter()
-    res = pretrain_udm(model, data, c["pretrain_steps"], batch=c["batch"], lr=c["lr"], seed=c["seed"],
-                       p_uncond=c["p_uncond"], progress=progress)
-    info = {"final_loss": round(res.final_loss, 4), "pretrain_seconds": round(time.perf_counter() - t0, 1), "source": "trained"}
-    if save_fixture:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda p: torch.save({"cfg": c, "info": info, "state_dict": model.state_dict()}, p))
-    return model.eval(), data, info
+# %% ../../nbs/rl/udm_grpo.ipynb #udx00003
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, (
+    "BASE_CFG", "TinyUDM", "quantize_digits", "dequantize", "DigitData", "load_digit_tokens", "DigitReward", "digit_batches",
+    "pretrain_udm", "oscillation", "noise_scaled_oscillation", "base_fixture_path", "pretrained_base",
+), "kimi_papers.rl.udm_grpo_experiment")
