@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kimi_papers.architectures.diffumamba import Denoiser, loglog_slope, set_compiled, time_forward  # noqa: E402
+from kimi_papers.architectures.diffumamba import Denoiser, set_compiled  # noqa: E402
+from kimi_papers.architectures.diffumamba_experiment import loglog_slope, time_forward  # noqa: E402
 from kimi_papers.core.flops import model_cost  # noqa: E402
 
 ARMS = ("Transformer", "BiMamba", "Hybrid")
