@@ -6,11 +6,12 @@ import pandas as pd
 import pytest
 import torch
 
-from kimi_papers.architectures.progressive_depth import (GPT, GPTConfig, History, LossGuard, MuonNSGD, cosine_lr, expand_depth,
-                                                         flops_per_token, matched_steps, mixing_time, mup_init_,
-                                                         new_parameters, newton_schulz5, newton_schulz5_compiled,
-                                                         ns_iterations_compiled, orthogonalize_all, step_flops, stdlib_bytes,
-                                                         train_run, wsd_lr)
+from kimi_papers.architectures.progressive_depth import (GPT, GPTConfig, MuonNSGD, cosine_lr, expand_depth,
+                                                         flops_per_token, mup_init_, new_parameters, newton_schulz5,
+                                                         newton_schulz5_compiled, ns_iterations_compiled, orthogonalize_all,
+                                                         step_flops, wsd_lr)
+from kimi_papers.architectures.progressive_depth_experiment import (History, LossGuard, matched_steps, mixing_time,
+                                                                    stdlib_bytes, train_run)
 from kimi_papers.core.kernels import compiled_ran
 from kimi_papers.core.train import Corpus, lm_loss
 
@@ -276,3 +277,10 @@ def test_train_run_and_newton_schulz_on_cuda():
     torch.testing.assert_close(newton_schulz5(G).cpu(), newton_schulz5(G.cpu()), rtol=1e-3, atol=1e-4)
     h = train_run(TINY, 3, 10, 0.8, data=tiny_corpus(), batch=2, eval_every=5, eval_batches=1, device="cuda")
     assert math.isfinite(h.final_val_loss)
+
+
+def test_moved_names_resolve_from_the_method_module():
+    import kimi_papers.architectures.progressive_depth as m
+    for name in ("train_run", "History", "mixing_time"):
+        with pytest.warns(DeprecationWarning, match=name):
+            assert getattr(m, name) is not None

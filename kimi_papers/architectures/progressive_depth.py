@@ -7,30 +7,26 @@ from __future__ import annotations
 
 import copy
 import math
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
-import numpy as np
-import pandas as pd
 import torch
 import torch.nn as nn
 from torch import Tensor
 
-from ..core.config import check_int
+from ..core.config import moved_names
 from ..core import flops as core_flops
 from ..core.kernels import compile_fn
 from ..core.nn import Block, CausalLM, LMConfig, default_ffn, default_mixer
 
-from ..core.train import Corpus, cosine_lr, lm_loss, stdlib_corpus, train, wsd_lr
+from ..core.train import cosine_lr, wsd_lr
 
 _all_ = ["wsd_lr", "cosine_lr"]  # the schedules are core.train's; re-exported as part of this paper's API
 
 # %% auto #0
-__all__ = ['INITS', 'NS_COEFFS', 'ns_iterations_compiled', 'CONVENTIONS', 'SCHEDULE_FNS', 'GPTConfig', 'mup_init_', 'GPT',
-           'expand_depth', 'new_parameters', 'newton_schulz5', 'newton_schulz5_compiled', 'orthogonalize_all',
-           'MuonNSGD', 'step_flops', 'flops_per_token', 'matched_steps', 'stdlib_bytes', 'History', 'train_run',
-           'LossGuard', 'mixing_time', 'wsd_lr', 'cosine_lr']
+__all__ = ['INITS', 'NS_COEFFS', 'ns_iterations_compiled', 'CONVENTIONS', 'GPTConfig', 'mup_init_', 'GPT', 'expand_depth',
+           'new_parameters', 'newton_schulz5', 'newton_schulz5_compiled', 'orthogonalize_all', 'MuonNSGD', 'step_flops',
+           'flops_per_token', 'wsd_lr', 'cosine_lr']
 
 # %% ../../nbs/architectures/progressive_depth.ipynb #fe4d252e
 @dataclass(frozen=True)
@@ -307,214 +303,7 @@ def flops_per_token(cfg: GPTConfig, convention: str = "nonembedding") -> float:
         model = CausalLM(cfg.lm_config())
     return step_flops(model, 1, cfg.ctx, convention) / cfg.ctx
 
-
-def matched_steps(flops: float, cfg: GPTConfig, batch: int, convention: str = "nonembedding") -> int:
-    """Steps of a fixed `cfg` model at `batch` x ctx tokens that spend `flops` training FLOPs (rounded)."""
-    per_step = flops_per_token(cfg, convention) * batch * cfg.ctx
-    if not (flops > 0 and per_step > 0):
-        raise ValueError(f"flops={flops!r}: expected > 0 (and a model with FLOPs under {convention!r})")
-    return max(1, round(flops / per_step))
-
-
-def stdlib_bytes(n_bytes: int, offset: int = 0) -> Tensor:
-    """Bytes offset..offset+n_bytes of the stdlib training text (core.nn's stdlib_corpus) as uint8 [n_bytes]."""
-    if isinstance(n_bytes, bool) or not isinstance(n_bytes, int) or n_bytes < 1 or not isinstance(offset, int) or offset < 0:
-        raise ValueError(f"n_bytes={n_bytes!r}, offset={offset!r}: expected a positive int and an int >= 0")
-    text = stdlib_corpus(max_train_bytes=offset + n_bytes).train[offset:]
-    if len(text) < n_bytes:
-        raise ValueError(f"n_bytes={n_bytes}: the stdlib corpus has only {len(text)} bytes after offset {offset}")
-    return torch.from_numpy(text.copy())
-
-# %% ../../nbs/architectures/progressive_depth.ipynb #052fd131
-@dataclass
-class History:
-    """One run: validation loss at eval steps [rows: step, n_layer, phase, val_loss, lr, flops], the training loss
-    curve, the expansion steps and the FLOPs spent (core.flops, both conventions)."""
-    evals: pd.DataFrame
-    train: pd.DataFrame
-    taus: list[int]
-    depths: list[int]
-    total_steps: int
-    seconds: float
-    flops_train_loop: float   # what core.nn's train() counted (model_cost, head included): equals flops_total
-    config: dict = field(default_factory=dict)
-
-    @property
-    def final_val_loss(self) -> float:
-        return float(self.evals.val_loss.iloc[-1])
-
-    @property
-    def flops(self) -> float:
-        """Training FLOPs, non-embedding convention (the paper's)."""
-        return float(self.evals.flops_nonembedding.iloc[-1])
-
-    @property
-    def flops_total(self) -> float:
-        return float(self.evals.flops_total.iloc[-1])
-
-    def curve(self) -> pd.DataFrame:
-        """Eval rows without the pre-expansion duplicates: one val loss per step (the expanded model's at τ)."""
-        return self.evals[self.evals.phase != "pre"].reset_index(drop=True)
-
-    def val_at(self, step: int) -> float:
-        """Val loss at eval step `step` (after the expansion if it happened there)."""
-        c = self.curve()
-        row = c[c.step == step]
-        if row.empty:
-            raise ValueError(f"step={step}: not an eval step of this run (eval steps: {c.step.tolist()[:6]}...)")
-        return float(row.val_loss.iloc[0])
-
-
-SCHEDULE_FNS = {"wsd": wsd_lr, "cosine": cosine_lr}
-
-
-@torch.no_grad()
-def _val_loss(model: nn.Module, batches: Sequence[Tensor]) -> float:
-    was = model.training
-    model.eval()
-    out = float(np.mean([lm_loss(model, b)[1]["ce"] for b in batches]))
-    model.train(was)
-    return out
-
-
-def _plan_stages(n_src: int, n_target: int, T: int, tau_frac: float | None,
-                 stages: Sequence[tuple[float, int]] | None) -> list[tuple[int, int]]:
-    """Validated (step, depth) expansions."""
-    if stages is None:
-        stages = [] if tau_frac is None else [(tau_frac, n_target)]
-    out, depth = [], n_src
-    for frac, d in stages:
-        if not isinstance(frac, (int, float)) or not 0 < frac < 1:
-            raise ValueError(f"tau_frac={frac!r}: expected a fraction in (0, 1) so that 0 < τ < T")
-        step = round(frac * T)
-        if not 0 < step < T or (out and step <= out[-1][0]):
-            raise ValueError(f"tau_frac={frac!r}: τ = {step} steps, expected 0 < τ < T = {T} (increasing over stages)")
-        if not isinstance(d, int) or d <= depth:
-            raise ValueError(f"target depth {d!r}: expected an int greater than the current depth {depth}")
-        out.append((step, d))
-        depth = d
-    if out and out[-1][1] != n_target:
-        raise ValueError(f"stages end at depth {out[-1][1]}, expected n_layer_target={n_target}")
-    return out
-
-# %% ../../nbs/architectures/progressive_depth.ipynb #97751bc6
-def train_run(cfg_src: GPTConfig, n_layer_target: int, total_steps: int, tau_frac: float | None = None,
-              init: str = "copy_stack", schedule: str = "wsd", seed: int = 0, data: Corpus | None = None, *,
-              batch: int = 16, lr: float = 0.01, warmup: float = 0.02, decay: float = 0.10,
-              stages: Sequence[tuple[float, int]] | None = None, eval_every: int = 25, eval_batches: int = 8,
-              final_eval_batches: int | None = None, eval_steps: Sequence[int] = (),
-              eval_seed: int = 12_345, opt_state: str = "fresh", compiled: bool = False,
-              device: torch.device | str | None = None) -> History:
-    """Train a GPT of `cfg_src`'s depth, expanding it to `n_layer_target` at τ = tau_frac·T (or through `stages`,
-    [(τ-fraction, depth), ...]); with neither, a fixed-depth run of the target depth. One WSD/cosine schedule over
-    all T steps, Muon-NSGD throughout, core.nn's train() for the steps, val loss every `eval_every` steps
-    and at `eval_steps` (on `eval_batches` fixed held-out batches; `final_eval_batches` of them at step T)."""
-    check_int("total_steps", total_steps, 2)
-    if schedule not in SCHEDULE_FNS:
-        raise ValueError(f"schedule={schedule!r}: expected one of {tuple(SCHEDULE_FNS)}")
-    if opt_state not in ("fresh", "copy"):
-        raise ValueError(f"opt_state={opt_state!r}: expected 'fresh' or 'copy'")
-    if init not in INITS:
-        raise ValueError(f"init={init!r}: expected one of {INITS}")
-    final_eval_batches = final_eval_batches or eval_batches
-    if min(eval_every, eval_batches, final_eval_batches) < 1:
-        raise ValueError(f"eval_every={eval_every}, eval_batches={eval_batches}, final_eval_batches={final_eval_batches}: "
-                         "expected positive ints")
-    T = total_steps
-    expansions = _plan_stages(cfg_src.n_layer, n_layer_target, T, tau_frac, stages)
-    if expansions and init.startswith("copy") and cfg_src.n_layer == 0:
-        raise ValueError(f"init={init!r}: a 0-layer source has no block to copy; use 'random' or 'zero'")
-    data = data if data is not None else stdlib_corpus()
-    for split in ("train", "val"):
-        if len(getattr(data, split)) < cfg_src.ctx + 2:
-            raise ValueError(f"data.{split} has {len(getattr(data, split))} tokens: expected more than ctx + 1 = {cfg_src.ctx + 1}")
-    sched = SCHEDULE_FNS[schedule]
-    lr_at = (lambda s: sched(s, T, lr, warmup, decay)) if schedule == "wsd" else (lambda s: sched(s, T, lr, warmup))
-    lr_at(0)  # validates lr, warmup, decay
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    gen = torch.Generator().manual_seed(seed)
-    depth0 = cfg_src.n_layer if expansions else n_layer_target
-    model = GPT(cfg_src.with_depth(depth0), gen).to(dev)
-    opt = MuonNSGD(model, lr, compiled=compiled)
-    batches = data.batches(batch, cfg_src.ctx, seed=seed, device=dev)
-    val = [b for b, _ in zip(data.batches(batch, cfg_src.ctx, seed=eval_seed, split="val", device=dev), range(max(eval_batches, final_eval_batches)))]
-    taus = {s: d for s, d in expansions}
-    evals = (set(range(0, T, eval_every)) | {T} | {min(T, s + max(1, round(0.02 * T))) for s in taus}
-             | {int(s) for s in eval_steps if 0 < s < T})
-    bounds = sorted(evals | set(taus))
-    checked_loss = LossGuard(expansions[-1][0] if expansions else None, lr_at)
-
-    fl = {"nonembedding": 0.0, "total": 0.0}
-    rows, train_parts, loop_flops, t0 = [], [], 0.0, time.perf_counter()
-
-    def log(step: int, phase: str) -> None:
-        rows.append(dict(step=step, n_layer=len(model.layers), phase=phase, val_loss=_val_loss(model, val if step == T else val[:eval_batches]),
-                         lr=lr_at(min(step, T - 1)), flops_nonembedding=fl["nonembedding"], flops_total=fl["total"]))
-
-    log(0, "")
-    step = 0
-    for b in bounds[1:]:
-        n = b - step
-        res = train(model, batches, n, schedule=lambda s, o=step: lr_at(o + s), optimizer=opt, grad_clip=None,
-                    loss_fn=checked_loss, log_every=max(1, eval_every // 5), progress=False, desc=f"{depth0}L")
-        train_parts.append(res.history.assign(step=res.history.step + step, n_layer=len(model.layers)))
-        loop_flops += res.flops
-        for conv in fl:
-            fl[conv] += n * step_flops(model, batch, cfg_src.ctx, conv)
-        step = b
-        if step in taus:
-            log(step, "pre")
-            old = model
-            model = expand_depth(old, taus[step], init, torch.Generator().manual_seed(seed + 7919 * step))
-            opt.add_params(model)
-            if opt_state == "copy":
-                _copy_state(opt, old, model, init)
-            log(step, "post")
-        elif step in evals:
-            log(step, "")
-    train_df = pd.concat(train_parts, ignore_index=True)[["step", "n_layer", "lr", "loss"]]
-    return History(pd.DataFrame(rows), train_df, sorted(taus), [depth0] + [d for _, d in expansions], T,
-                   time.perf_counter() - t0, loop_flops,
-                   dict(cfg=cfg_src, n_layer_target=n_layer_target, init=init, schedule=schedule, seed=seed, lr=lr,
-                        batch=batch, opt_state=opt_state))
-
-
-class LossGuard:
-    """core.nn's lm_loss that counts steps and raises on a non-finite loss, naming the step and the phase."""
-
-    def __init__(self, tau: int | None, lr_at: Callable[[int], float] | None = None):
-        self.tau, self.lr_at, self.step = tau, lr_at, 0
-
-    def __call__(self, model: nn.Module, batch: Tensor) -> tuple[Tensor, dict]:
-        loss, metrics = lm_loss(model, batch)
-        if not torch.isfinite(loss):
-            phase = "fixed depth" if self.tau is None else ("pre-expansion" if self.step < self.tau else "post-expansion")
-            lr = f", lr {self.lr_at(self.step):.3g}" if self.lr_at else ""
-            raise FloatingPointError(f"train_run: loss is {loss.item()} at step {self.step} ({phase}, "
-                                     f"{len(model.layers)} layers{lr})")
-        self.step += 1
-        return loss, metrics
-
-
-def _copy_state(opt: MuonNSGD, old: GPT, new: GPT, init: str) -> None:
-    """Sensitivity reading: copied blocks start with a clone of their source block's momentum."""
-    for i, j in enumerate(_layer_plan(old.n_layer, new.n_layer, init)):
-        if j is None or new.layers[i] is old.layers[j]:
-            continue
-        for ps, pn in zip(old.layers[j].parameters(), new.layers[i].parameters()):
-            if "momentum" in opt.state[ps]:
-                opt.state[pn]["momentum"] = opt.state[ps]["momentum"].clone()
-
-
-def mixing_time(hist_prog: History, hist_fixed: History, tol: float = 0.01) -> int | None:
-    """Steps after the last expansion τ until the progressive val loss is <= (1 + tol) x the fixed run's at the
-    same step (first common eval step); None if it never gets there."""
-    if not hist_prog.taus:
-        raise ValueError("hist_prog: expected a progressive run (it has no expansion step)")
-    if not tol >= 0:
-        raise ValueError(f"tol={tol!r}: expected >= 0")
-    tau = hist_prog.taus[-1]
-    m = hist_prog.curve().merge(hist_fixed.curve(), on="step", suffixes=("_p", "_f"))
-    m = m[m.step > tau]
-    hit = m[m.val_loss_p <= (1 + tol) * m.val_loss_f]
-    return None if hit.empty else int(hit.step.iloc[0]) - tau
+# %% ../../nbs/architectures/progressive_depth.ipynb #pdx00004
+# harness names that lived here before the split still resolve (with a DeprecationWarning) from the experiment module
+__getattr__ = moved_names(__name__, ("History", "SCHEDULE_FNS", "train_run", "LossGuard", "matched_steps", "stdlib_bytes",
+                                     "mixing_time"), "kimi_papers.architectures.progressive_depth_experiment")
