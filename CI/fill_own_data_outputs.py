@@ -5,7 +5,7 @@ A committed paper notebook is the executed copy of its last recorded full run. T
 import only from the paper's method module (and core, torch, numpy, pandas, transformers), so it runs on its own: this
 script executes exactly the code cells of that section, in order, in a fresh kernel from the paper's folder, and writes
 their outputs into the committed notebook (nothing else changes). A cell that fails stands without outputs and is
-reported. The next recorded full run replaces these outputs with its own. Usage: python CI/fill_own_data_outputs.py [SLUG ...]
+reported. The next recorded full run replaces these outputs with its own. Usage: python CI/fill_own_data_outputs.py [--force] [SLUG ...]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ HEAD = re.compile(r"^#+\s*Use it on your own", re.M)
 
 
 def own_data_cells(nb: dict) -> list[int]:
-    """Indices of the code cells of the notebook's 'Use it on your own' section (up to the next heading)."""
+    """Indices of the example code cells of the notebook's 'Use it on your own' section (up to the next heading)."""
     cells = nb["cells"]
     start = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown" and HEAD.search("".join(c["source"]))), None)
     if start is None:
@@ -39,8 +39,8 @@ def own_data_cells(nb: dict) -> list[int]:
         c = cells[i]
         if c["cell_type"] == "markdown" and re.match(r"^#+\s", "".join(c["source"]).lstrip()):
             break
-        if c["cell_type"] == "code":
-            out.append(i)
+        if c["cell_type"] == "code" and not "".join(c["source"]).lstrip().startswith("#|"):
+            out.append(i)  # the example's cells, not library cells (#| export ...) placed after it
     return out
 
 
@@ -49,6 +49,8 @@ def fill(path: Path) -> str:
     idx = own_data_cells(nb)
     if not idx:
         return "no own-data section"
+    if not FORCE and all(nb["cells"][i].get("outputs") for i in idx):
+        return "outputs present (--force to redo)"
     mini = nbformat.v4.new_notebook()
     mini.metadata = copy.deepcopy(nb.get("metadata", {}))
     mini.cells = [nbformat.v4.new_code_cell(PREAMBLE)] + [nbformat.v4.new_code_cell("".join(nb["cells"][i]["source"])) for i in idx]
@@ -66,8 +68,10 @@ def fill(path: Path) -> str:
     return "; ".join(errors) or f"{len(idx)} cell(s) filled"
 
 
+FORCE = "--force" in sys.argv
+
 if __name__ == "__main__":
-    want = set(sys.argv[1:])
+    want = set(a for a in sys.argv[1:] if a != "--force")
     for w in workbooks(ROOT):
         if w.is_paper and (not want or w.slug in want):
             print(f"{w.slug}: {fill(w.path)}", flush=True)

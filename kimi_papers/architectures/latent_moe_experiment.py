@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['TinyMoELM', 'History', 'val_windows', 'evaluate', 'train_lm']
 
 # %% ../../nbs/architectures/latent_moe.ipynb #5d8a3f12
-
 from dataclasses import dataclass
 
 import numpy as np

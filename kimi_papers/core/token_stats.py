@@ -362,7 +362,7 @@ def sample_next(logits: Tensor, temperature: float | Tensor, top_p: float | Tens
     fn = sample_next_compiled if compiled else _sample_core
     return fn(logits.reshape(rows, V), inv_t, tp, noise.reshape(rows, V).float()).reshape(logits.shape[:-1])
 
-# %% ../../nbs/core/token_stats.ipynb #9acd46df
+# %% ../../nbs/core/token_stats.ipynb #8d76a866
 def kl_categorical(logp: Tensor, logq: Tensor) -> Tensor:
     """KL(p ‖ q) in nats per row [...] from log-probabilities logp, logq [..., V] (float32 or wider; no renormalising)."""
     if logp.shape != logq.shape:

@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['LEVELS', 'SYSTEM_DIRECT', 'SYSTEM_COT', 'DIRECT_PREFIX', 'SYSTEM_AGG', 'ALPHABET', 'SEP', 'VIEWS', 'SPECIALIST_TASKS', 'SIM_NAMES', 'SIM_FAMILIES', 'make_question', 'make_pool', 'Member', 'Generation', 'run_member', 'aggregation_text', 'arith_view', 'word_view', 'CharSpecialist', 'specialist_batches', 'answer_loss', 'train_specialist', 'specialist_fixture', 'split_pool', 'decide_arms', 'pending_aggregations', 'score_arms', 'best_expert_table', 'confounded_families', 'sim_accuracy', 'sim_best', 'simulate_table', 'majority_aggregate']
 
 # %% ../../nbs/decoding/jisi.ipynb #8a70238d
-
 import random
 import re
 import string

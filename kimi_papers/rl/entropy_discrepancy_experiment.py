@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['FIXTURE', 'COUNTDOWN_WARMSTART', 'ARMS', 'random_bandits', 'bandit_theory', 'countdown_policy', 'measure_policy', 'ScheduleConfig', 'make_control', 'run_entropy_schedule', 'branch_effect']
 
 # %% ../../nbs/rl/entropy_discrepancy.ipynb #5aa8dcd5
-
 import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path

@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['binary_grid', 'bandit_experiment', 'run_pmd_experiment', 'summarize_runs', 'tune_grid', 'first_reach', 'matched_progress_std']
 
 # %% ../../nbs/rl/pmd_mean.ipynb #9c1e5a7b
-
 import copy
 import math
 from dataclasses import replace

@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['make_xor', 'parity_fraction', 'downstream_accuracy', 'load_sklearn']
 
 # %% ../../nbs/science/tab_pe.ipynb #381bd6a9
-
 import math
 
 import numpy as np

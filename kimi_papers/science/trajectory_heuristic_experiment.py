@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['MOVES', 'N_PERM', 'N_TWIST', 'N_STATES', 'GODS_NUMBER', 'QTM_HISTOGRAM', 'PocketCube', 'random_walk_trajectories', 'train_heuristic', 'heuristic_fn', 'states_by_depth', 'local_ranking_accuracy', 'ranking_in_range', 'batched_weighted_astar', 'bwas_eval']
 
 # %% ../../nbs/science/trajectory_heuristic.ipynb #8ce806a7
-
 import heapq
 import itertools
 import math

@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['SMOKE_TREE', 'FEW_SHOT', 'LABEL_THRESHOLD', 'POLICIES', 'hand_built_log', 'Puzzle', 'solvable', 'make_puzzles', 'puzzle_prompt', 'apply_step', 'step_value', 'sample_children', 'best_first_tot', 'fit_logistic', 'calibration_data', 'calibrate_msve', 'flat_h2o_allocate', 'streaming_allocate', 'branch_lru_evict', 'ReplayResult', 'replay', 'token_bytes', 'compacted_attention_reference', 'masked_full_attention']
 
 # %% ../../nbs/serving/arbor_kv.ipynb #a7e3c1d0
-
 import itertools
 import math
 from dataclasses import dataclass, field

@@ -8,7 +8,6 @@ from __future__ import annotations
 __all__ = ['OUTCOMES', 'OLMOE_EXPERT_BYTES', 'PREFETCH_AT', 'HardwareModel', 'olmoe_hardware', 'tiny_real_hardware', 'measure_copy_bandwidth', 'SimResult', 'access_sequence', 'simulate', 'capacity_slots', 'prefetcher_label', 'sweep', 'gate_lookahead_reference']
 
 # %% ../../nbs/serving/spec_md.ipynb #c5e7a9b1
-
 import math
 import numbers
 import zlib

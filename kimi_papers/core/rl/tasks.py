@@ -78,7 +78,7 @@ class Task:
             return out
         raise ValueError(f"n={n}: {self.name} has only {len(out)} distinct held-out problems")
 
-# %% ../../../nbs/core/rl/tasks.ipynb #0d1211c6
+# %% ../../../nbs/core/rl/tasks.ipynb #0ffb6ed0
 _LAST_INT = re.compile(r"-?\d+")
 
 
