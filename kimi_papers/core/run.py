@@ -30,11 +30,11 @@ from .runner import process_tree, run_env, run_notebook, select, workbooks
 
 # %% auto #0
 __all__ = ['KERNELSPEC', 'parse_value', 'parse_param', 'parse_params', 'point_latest', 'write_manifest', 'last_runs',
-           'RunInterrupted', 'interrupted_line', 'run_many', 'for_readers', 'adopt_executed', 'summary', 'cmd_list',
-           'run_board', 'run_report', 'closing_line', 'cmd_run', 'params_table', 'cmd_params', 'cmd_board', 'parser',
-           'main', 'parse_grid', 'parse_seeds', 'cmd_sweep', 'PAPER_FOLDERS', 'Workbook', 'workbooks', 'select',
-           'Parameter', 'notebook_parameters', 'check_params', 'RunResult', 'failed_cell', 'papermill_warnings',
-           'mark_incomplete', 'run_env', 'run_notebook', 'process_tree', 'alive', 'kill_tree', 'Stopper']
+           'RunInterrupted', 'interrupted_line', 'run_many', 'for_readers', 'adopt_executed', 'summary', 'parse_grid',
+           'parse_seeds', 'cmd_sweep', 'cmd_list', 'run_board', 'run_report', 'closing_line', 'cmd_run', 'params_table',
+           'cmd_params', 'cmd_board', 'parser', 'main', 'PAPER_FOLDERS', 'Workbook', 'workbooks', 'select', 'Parameter',
+           'notebook_parameters', 'check_params', 'RunResult', 'failed_cell', 'papermill_warnings', 'mark_incomplete',
+           'run_env', 'run_notebook', 'process_tree', 'alive', 'kill_tree', 'Stopper']
 
 # %% ../../nbs/core/run.ipynb #1c7e9a52
 _all_ = ["PAPER_FOLDERS", "Workbook", "workbooks", "select", "Parameter", "notebook_parameters", "check_params",
@@ -264,6 +264,78 @@ def summary(results: Sequence[RunResult]) -> str:
         lines += [f"    papermill: {w}" for w in r.warnings]
     return "\n".join(lines)
 
+# %% ../../nbs/core/run.ipynb #7f803313
+def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
+    """`--grid key=[v1, v2]` items -> {key: [v1, v2]}, each value read as `-p` reads it."""
+    out: dict[str, list[Any]] = {}
+    for item in items:
+        key, val = parse_param(item)
+        if not isinstance(val, list) or not val:
+            raise ValueError(f"--grid {item!r}: expected KEY=[V1, V2, ...], a non-empty list of the values to sweep")
+        if key in out:
+            raise ValueError(f"--grid {key}: given twice; put every value in one list")
+        out[key] = val
+    return out
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`--seeds 0-9` (inclusive range) or `0,3,7` -> a list of ints."""
+    try:
+        if "-" in text.strip()[1:]:
+            lo, hi = text.split("-", 1)
+            seeds = list(range(int(lo), int(hi) + 1))
+        else:
+            seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds:
+        raise ValueError(f"--seeds {text!r}: expected a range like 0-9 or a list like 0,3,7")
+    return seeds
+
+
+def _book_of(target: str) -> Workbook:
+    """A workbook by slug, or any notebook file with a parameters cell (your own)."""
+    if target.endswith(".ipynb"):
+        p = Path(target).expanduser()
+        if not p.is_file():
+            raise ValueError(f"{target}: no such notebook file")
+        return Workbook(p.stem, p.parent.name if p.parent.name in PAPER_FOLDERS else "", p.resolve())
+    return select([target])[0]
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    if args.record:
+        raise ValueError("--record: a sweep explores and never writes the ledger; record the chosen setting with "
+                         "`kimi-papers run SLUG --profile full --record`")
+    from .sweep import SweepInterrupted, run_sweep
+    book = _book_of(args.slug)
+    grid, fixed = parse_grid(args.grid or []), parse_params(args.p or [])
+    if args.seeds:
+        fixed["seeds"] = parse_seeds(args.seeds)
+    if not grid and args.split_seeds is None:
+        raise ValueError("sweep: give at least one --grid KEY=[V1, V2, ...] (or --split-seeds K)")
+    profile = check_profile(args.profile or settings().get("profiles", "default"))
+    try:
+        table, run_dir, points = run_sweep(book, grid, fixed, profile, args.jobs, args.scheduler, not args.quiet,
+                                           split_seeds=args.split_seeds, cluster=args.cluster)
+    except SweepInterrupted as e:
+        print(f"kimi-papers: {e}", file=sys.stderr)
+        return 128 + e.signum
+    claims = table[table["claim"].astype(bool)] if "claim" in table else table.iloc[0:0]
+    if len(claims):
+        cols = [c for c in table.columns if c.startswith("param:") and c[6:] in grid]
+        show = claims[cols + ["claim", "role", "estimate", "low", "high", "n", "status"]].rename(
+            columns={c: c[6:] for c in cols})
+        print(show.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+        if profile == "smoke":
+            print("(smoke statuses check that each point runs; they are not verdicts)")
+    failed = [r for r in points if not r.ok]
+    for r in failed:
+        print(f"kimi-papers: error: point {r.index} {r.params} {r.status}: {r.error}", file=sys.stderr)
+    print(f"kimi-papers sweep: {len(points) - len(failed)} of {len(points)} point(s) ok; table {run_dir / 'sweep.csv'}, "
+          f"page {run_dir / 'sweep.html'}")
+    return 1 if failed else 0
+
 # %% ../../nbs/core/run.ipynb #2807a5fd
 def _claims_status(slug: str, profile: str, folder: Path) -> str:
     """'3/4 reproduced'-style status of a paper's claims for one profile in `folder`, '-' if none."""
@@ -466,75 +538,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__" and not getattr(builtins, "__IPYTHON__", False):
     sys.exit(main())  # `python -m kimi_papers.core.run`, not a notebook or IPython (which set builtins.__IPYTHON__)
-
-# %% ../../nbs/core/run.ipynb #7f803313
-def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
-    """`--grid key=[v1, v2]` items -> {key: [v1, v2]}, each value read as `-p` reads it."""
-    out: dict[str, list[Any]] = {}
-    for item in items:
-        key, val = parse_param(item)
-        if not isinstance(val, list) or not val:
-            raise ValueError(f"--grid {item!r}: expected KEY=[V1, V2, ...], a non-empty list of the values to sweep")
-        if key in out:
-            raise ValueError(f"--grid {key}: given twice; put every value in one list")
-        out[key] = val
-    return out
-
-
-def parse_seeds(text: str) -> list[int]:
-    """`--seeds 0-9` (inclusive range) or `0,3,7` -> a list of ints."""
-    try:
-        if "-" in text.strip()[1:]:
-            lo, hi = text.split("-", 1)
-            seeds = list(range(int(lo), int(hi) + 1))
-        else:
-            seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        seeds = []
-    if not seeds:
-        raise ValueError(f"--seeds {text!r}: expected a range like 0-9 or a list like 0,3,7")
-    return seeds
-
-
-def _book_of(target: str) -> Workbook:
-    """A workbook by slug, or any notebook file with a parameters cell (your own)."""
-    if target.endswith(".ipynb"):
-        p = Path(target).expanduser()
-        if not p.is_file():
-            raise ValueError(f"{target}: no such notebook file")
-        return Workbook(p.stem, p.parent.name if p.parent.name in PAPER_FOLDERS else "", p.resolve())
-    return select([target])[0]
-
-
-def cmd_sweep(args: argparse.Namespace) -> int:
-    if args.record:
-        raise ValueError("--record: a sweep explores and never writes the ledger; record the chosen setting with "
-                         "`kimi-papers run SLUG --profile full --record`")
-    from .sweep import SweepInterrupted, run_sweep
-    book = _book_of(args.slug)
-    grid, fixed = parse_grid(args.grid or []), parse_params(args.p or [])
-    if args.seeds:
-        fixed["seeds"] = parse_seeds(args.seeds)
-    if not grid and args.split_seeds is None:
-        raise ValueError("sweep: give at least one --grid KEY=[V1, V2, ...] (or --split-seeds K)")
-    profile = check_profile(args.profile or settings().get("profiles", "default"))
-    try:
-        table, run_dir, points = run_sweep(book, grid, fixed, profile, args.jobs, args.scheduler, not args.quiet,
-                                           split_seeds=args.split_seeds, cluster=args.cluster)
-    except SweepInterrupted as e:
-        print(f"kimi-papers: {e}", file=sys.stderr)
-        return 128 + e.signum
-    claims = table[table["claim"].astype(bool)] if "claim" in table else table.iloc[0:0]
-    if len(claims):
-        cols = [c for c in table.columns if c.startswith("param:") and c[6:] in grid]
-        show = claims[cols + ["claim", "role", "estimate", "low", "high", "n", "status"]].rename(
-            columns={c: c[6:] for c in cols})
-        print(show.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-        if profile == "smoke":
-            print("(smoke statuses check that each point runs; they are not verdicts)")
-    failed = [r for r in points if not r.ok]
-    for r in failed:
-        print(f"kimi-papers: error: point {r.index} {r.params} {r.status}: {r.error}", file=sys.stderr)
-    print(f"kimi-papers sweep: {len(points) - len(failed)} of {len(points)} point(s) ok; table {run_dir / 'sweep.csv'}, "
-          f"page {run_dir / 'sweep.html'}")
-    return 1 if failed else 0
