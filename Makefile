@@ -40,12 +40,13 @@ test: warm  ## unit tests + every notebook through papermill (smoke) + docs buil
 test-slow: $(STAMP)  ## the slow tests too (real-model concurrency, large shapes)
 	$(BIN)/python -m pytest -n $(JOBS) --durations=0 -q -rs
 
-# the board of this run (runs/latest -> its folder) comes last, and is shown even when a notebook failed;
+# the site shows this run (its executed notebooks and its board; `make docs` builds the recorded one); the board of
+# this run (runs/latest -> its folder) comes last, and is shown even when a notebook failed;
 # the exit status is the run's (1: a notebook failed; 130: interrupted, then nothing more runs)
 run: $(STAMP)  ## the main job: every notebook headlessly (smoke by default), the docs site, then the board of this run
 	@rc=0; $(BIN)/kimi-papers run --profile $(PROFILE) --jobs $(JOBS) || rc=$$?; \
 	if [ $$rc -ge 128 ]; then exit $$rc; fi; \
-	$(BIN)/python CI/build_docs.py --out _docs || rc=$$?; \
+	$(BIN)/python CI/build_docs.py --out _docs --executed runs/latest --results runs/latest/results || rc=$$?; \
 	$(BIN)/kimi-papers board --results runs/latest/results --html runs/board.html --quiet || rc=$$?; \
 	exit $$rc
 
