@@ -7,7 +7,7 @@ from __future__ import annotations
 # %% auto #0
 __all__ = ['EVENTS', 'BACKGROUND', 'O', 'B', 'I', 'ARMS', 'Sample', 'SynthVideo', 'minilm_vectors', 'segments_to_tags', 'tags_to_segments', 'FrameTagger', 'stack', 'sft_targets', 'train_sft', 'predict', 'omtg_reward_fn', 'grpo_finetune', 'evaluate_predictions', 'tune_lr', 'new_policy', 'run_seed', 'run_sensitivity']
 
-# %% ../../nbs/evaluation/omtg.ipynb #e362ee39
+# %% ../../nbs/evaluation/omtg.ipynb #d15b89ff
 import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -23,7 +23,7 @@ from ..core.nn import Block, LMConfig, default_ffn, default_mixer
 from ..core.rl import RolloutBatch, aggregate, effective_group_ratio, freeze_reference, grpo_advantage, grpo_loss, kl_penalty
 from .omtg import as_segments, count_accuracy, etf1, r1_at, total_reward
 
-# %% ../../nbs/evaluation/omtg.ipynb #de7eb80f
+# %% ../../nbs/evaluation/omtg.ipynb #d7e20f81
 EVENTS = (  # (event type, 3 query paraphrases, 3 dense-caption paraphrases)
     ("a person waves", ("someone waving their hand", "a man waves hello", "a hand waving at the camera"),
      ("the person raises a hand and waves", "a woman is waving", "someone waves at a friend")),
@@ -52,7 +52,7 @@ EVENTS = (  # (event type, 3 query paraphrases, 3 dense-caption paraphrases)
 )
 BACKGROUND = "an empty room, nothing happens"
 
-# %% ../../nbs/evaluation/omtg.ipynb #834866df
+# %% ../../nbs/evaluation/omtg.ipynb #94ad158d
 @dataclass
 class Sample:
     """One SynthVideo query: frame features [T, F], query vector [F] and text, the truth [k, 2] and dense captions."""
@@ -145,7 +145,7 @@ def minilm_vectors(texts: Sequence[str]) -> dict[str, Tensor]:
     model, tok = load_minilm("cpu")
     return dict(zip(texts, embed(list(texts), model, tok)))
 
-# %% ../../nbs/evaluation/omtg.ipynb #471486ea
+# %% ../../nbs/evaluation/omtg.ipynb #3230982a
 O, B, I = 0, 1, 2  # per-step tags: outside, begin of a segment, inside
 
 
@@ -297,7 +297,7 @@ def evaluate_predictions(preds: Sequence[np.ndarray], samples: Sequence[Sample])
     out["r1_05_one"] = r1_at([preds[i] for i in one], [G[i] for i in one], 0.5) if len(one) else float("nan")
     return out
 
-# %% ../../nbs/evaluation/omtg.ipynb #dbb69600
+# %% ../../nbs/evaluation/omtg.ipynb #340412a8
 ARMS = ("one2one_sft", "omtg_sft", "grpo_temp", "grpo_temp_cap", "sft_more")
 
 
