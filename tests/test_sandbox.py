@@ -209,18 +209,26 @@ def test_the_run_ends_when_the_caller_dies():
     tok, base = uuid.uuid4().hex, Path(tempfile.mkdtemp(prefix="kimi_sandbox_caller_"))
     caller = subprocess.Popen([sys.executable, "-c", "import types\nfrom kimi_papers.core import sandbox as sb\n"
                                f"sb.uuid = types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex={tok!r}))\n"
-                               "sb.run_python('import time\\nwhile True: time.sleep(1)', timeout_s=60, gate=False)"],
-                              env={**os.environ, "TMPDIR": str(base)})  # the killed caller cannot delete its inputs
-    try:
-        until = time.monotonic() + 10
-        while not _procs_in(tok) and time.monotonic() < until:
+                               "sb.run_python('import time\\nwhile True: time.sleep(1)', timeout_s=300, gate=False)"],
+                              env={**os.environ, "TMPDIR": str(base)},  # the killed caller cannot delete its inputs
+                              stderr=(err := open(base / "caller.err", "w+")))
+    try:  # a loaded 2-core CI machine may take long to start the caller: wait for it or for its death
+        until = time.monotonic() + 120
+        # the caller's first sandbox is the self-check (same token, 20 s deadline), which ends by itself; the run
+        # is the one with this run's deadline (timeout + 2 s), started once its supervisor forked the code (two)
+        def run() -> list[int]:
+            return [pid for pid, cmd in live_processes(SANDBOX_UID) if tok in cmd and '"deadline_s": 302' in cmd]
+
+        while len(run()) < 2 and caller.poll() is None and time.monotonic() < until:
             time.sleep(0.05)
-        assert _procs_in(tok), "the sandbox never started"
+        err.seek(0)
+        assert len(run()) == 2, f"the sandbox never started (caller exit {caller.poll()}): {err.read()[-2000:]}"
         caller.kill()
         caller.wait()
         assert not _left(tok, 3.0), "the sandbox outlived its caller"
     finally:
         caller.kill()
+        err.close()
         shutil.rmtree(base, ignore_errors=True)
 
 
