@@ -158,3 +158,28 @@ def test_a_dead_worker_loses_only_its_point(tmp_path):
     dead = t[t.point == 1]
     assert list(dead.status) == ["failed"] and "KilledWorker" in dead.reason.iloc[0]
     assert "point 1" in r.stderr and "KilledWorker" in r.stderr
+
+
+def test_a_stopper_stops_its_children_and_serves_again_after_reset():
+    """A worker's stopper kills the kernels it holds; without `reset` it would kill the next point's kernel at once."""
+    import signal as _signal
+    import subprocess as _sp
+    import sys as _sys
+    from kimi_papers.core.runner import Stopper
+    stop, sleeper = Stopper(), [_sys.executable, "-c", "import time; time.sleep(60)"]
+    first = _sp.Popen(sleeper)
+    stop.add("a", first)
+    assert stop.running() == 1
+    stop.request(_signal.SIGTERM)
+    stop.join()
+    assert first.wait(10) is not None and stop.signum == _signal.SIGTERM
+    stop.remove("a")
+    stop.reset()
+    second = _sp.Popen(sleeper)
+    try:
+        stop.add("b", second)
+        time.sleep(0.5)
+        assert second.poll() is None and stop.running() == 1 and stop.signum is None
+    finally:
+        second.kill()
+        second.wait()

@@ -451,6 +451,15 @@ class Stopper:
         for t in list(self._killers):
             t.join()
 
+    def running(self) -> int:
+        """How many children are registered now."""
+        with self._lock:
+            return len(self._procs)
+
+    def reset(self) -> None:
+        """Forget the stop request once its children are stopped (`join`), so this stopper can serve a later run."""
+        self.signum = None
+
     @contextlib.contextmanager
     def handling(self) -> Iterator["Stopper"]:
         """Route SIGINT and SIGTERM to `request` while the block runs (main thread only), then restore the handlers."""

@@ -94,10 +94,10 @@ def run_point(index: int, slug: str, folder: str, nb_text: str, profile: str, pa
 
 def stop_kernels() -> int:
     """Stop the notebook kernels of the points running on this process (run on every worker on Ctrl-C); how many."""
-    n = len(_STOP._procs)
+    n = _STOP.running()
     _STOP.request(signal.SIGTERM)
     _STOP.join()
-    _STOP.signum = None  # the worker stays usable for a later sweep
+    _STOP.reset()  # the worker stays usable for a later sweep
     return n
 
 
