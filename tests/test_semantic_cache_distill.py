@@ -255,3 +255,19 @@ def test_harness_names_moved_to_the_experiment_module():
         assert method.run_seed is run_seed
     with pytest.raises(AttributeError):
         method.no_such_name
+
+
+def test_consumer_fingerprint_names_the_factors_and_the_fine_tune():
+    """The fingerprint a rerun compares: any change of one factor element (one float32 ulp) or of a name changes the
+    hash, dict order does not; the losses are the fine-tune's first and last."""
+    from kimi_papers.serving.semantic_cache_distill_experiment import Pair, consumer_fingerprint, factors_sha256
+    g = torch.Generator().manual_seed(0)
+    f = {"l0.A": torch.randn(4, 8, generator=g), "l0.B": torch.randn(8, 4, generator=g)}
+    h = factors_sha256(f)
+    assert len(h) == 16 and h == factors_sha256(dict(reversed(list(f.items()))))
+    bumped = {k: v.clone() for k, v in f.items()}
+    bumped["l0.B"][3, 1] = torch.nextafter(bumped["l0.B"][3, 1], torch.tensor(math.inf))
+    assert factors_sha256(bumped) != h
+    assert factors_sha256({"l1.A": f["l0.A"], "l0.B": f["l0.B"]}) != h
+    pair = Pair(nn.Identity(), nn.Identity(), None, {"lora_sha256": h, "loss_curve": [2.5, 1.25, 1.0000004]})
+    assert consumer_fingerprint(pair) == {"lora_sha256": h, "loss_first": 2.5, "loss_last": 1.0}
