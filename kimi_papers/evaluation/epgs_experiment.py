@@ -7,7 +7,7 @@ from __future__ import annotations
 # %% auto #0
 __all__ = ['CAPITALS', 'SYMBOLS', 'LANGUAGES', 'CURRENCIES', 'TEMPLATES', 'SYSTEM', 'mlp_curvature_check', 'Question', 'normalize', 'fact_pool', 'make_questions', 'is_correct', 'chat_prompt', 'answer_span', 'greedy_answer', 'sampled_answers', 'epgs_table', 'run_set']
 
-# %% ../../nbs/evaluation/epgs.ipynb #54718bc8
+# %% ../../nbs/evaluation/epgs.ipynb #2b288992
 import random
 import re
 import time
@@ -22,7 +22,7 @@ from torch import Tensor
 from .epgs import (entropy_score, neg_logprob, embed_prompt_answer, eigen_spread, perturbed_grads,
                                          sample_disagreement, scores_from_grads)
 
-# %% ../../nbs/evaluation/epgs.ipynb #b4277083
+# %% ../../nbs/evaluation/epgs.ipynb #0a3adc9c
 def mlp_curvature_check(n_points: int = 40, d: int = 8, n_perturb: int = 4, K: int = 64, sigma: float = 1e-3,
                         seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(EPGS curvature, exact ‖H[:, P]‖_F) at `n_points` inputs of a random tanh MLP loss f(x), float64.
@@ -47,7 +47,7 @@ def mlp_curvature_check(n_points: int = 40, d: int = 8, n_perturb: int = 4, K: i
         true.append(float(H[:, pm].norm()))
     return np.array(est), np.array(true)
 
-# %% ../../nbs/evaluation/epgs.ipynb #5407435b
+# %% ../../nbs/evaluation/epgs.ipynb #b253d158
 @dataclass(frozen=True)
 class Question:
     """One probe: the sentence stem the model completes, the accepted answers (normalised), its kind."""
@@ -139,7 +139,7 @@ def is_correct(q: Question, answer: str) -> bool:
         return bool(m) and m.group() == q.aliases[0]
     return any(re.search(rf"(^| ){re.escape(al)}( |$)", a) for al in q.aliases)
 
-# %% ../../nbs/evaluation/epgs.ipynb #f57a6bb5
+# %% ../../nbs/evaluation/epgs.ipynb #b635970e
 SYSTEM = "Complete the sentence."
 _STOP = re.compile(r"[.\n]")
 
