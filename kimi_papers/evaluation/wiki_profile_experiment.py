@@ -7,7 +7,7 @@ from __future__ import annotations
 # %% auto #0
 __all__ = ['SYL_A', 'SYL_B', 'COMPANIES', 'TEMPLATES', 'QUESTIONS', 'RECITAL', 'REAL_FACTS', 'exposures', 'make_synthetic_world', 'chance_rates', 'SubsetTokenizer', 'encode_lines', 'train_tiny_lm', 'real_facts', 'world_texts', 'run_world', 'recital_cue_rate']
 
-# %% ../../nbs/evaluation/wiki_profile.ipynb #d841f2b2
+# %% ../../nbs/evaluation/wiki_profile.ipynb #wp000006
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -21,7 +21,7 @@ from ..core.models import tiny_causal_lm
 from ..core.train import train
 from .wiki_profile import Fact, normalize, run_probes
 
-# %% ../../nbs/evaluation/wiki_profile.ipynb #e1952793
+# %% ../../nbs/evaluation/wiki_profile.ipynb #wp000027
 SYL_A = ("vor", "qui", "bel", "dra", "mon", "tal", "sen", "ka", "ril", "po", "zan", "fe", "lu", "gar", "ny", "os")
 SYL_B = ("lan", "stek", "dor", "vin", "ra", "mek", "tis", "bo", "nel", "quor", "sha", "dun", "pex", "ló", "rim", "vas")
 COMPANIES = ("Altmark", "Brisco", "Calder Works", "Dunmore", "Eltrax", "Fennick", "Gorlan", "Helix Foundry",
@@ -131,7 +131,7 @@ def chance_rates(facts: Sequence[Fact]) -> dict[str, float]:
         out[rel] = float((objs.value_counts(normalize=True) ** 2).sum())
     return out
 
-# %% ../../nbs/evaluation/wiki_profile.ipynb #3c448fd0
+# %% ../../nbs/evaluation/wiki_profile.ipynb #wp000028
 class SubsetTokenizer:
     """A base BPE tokenizer restricted to the ids a text collection uses, renumbered 0..n-1 (0 = pad)."""
 
@@ -156,7 +156,7 @@ class SubsetTokenizer:
         """Ids -> text (pad dropped)."""
         return self.base.decode([self.to_base[int(i)] for i in ids if int(i) > 0])
 
-# %% ../../nbs/evaluation/wiki_profile.ipynb #e17296f9
+# %% ../../nbs/evaluation/wiki_profile.ipynb #wp000029
 def encode_lines(tok: SubsetTokenizer, lines: Sequence[str], max_len: int) -> torch.Tensor:
     """Lines as a [n, max_len] id tensor, right-padded with 0 (each line ends with a newline token)."""
     rows = [tok.encode(l + "\n")[:max_len] for l in lines]
@@ -191,7 +191,7 @@ def train_tiny_lm(corpus: Sequence[str], qa_train: Sequence[str], tok: SubsetTok
     model.train_result = res
     return model
 
-# %% ../../nbs/evaluation/wiki_profile.ipynb #128a3719
+# %% ../../nbs/evaluation/wiki_profile.ipynb #wp000030
 # Arm R: (subject, object, extra aliases, head/tail by hand); the templates below turn each into probes
 _CAPITALS = [("France", "Paris", (), "head"), ("Germany", "Berlin", (), "head"), ("Japan", "Tokyo", (), "head"),
              ("Italy", "Rome", (), "head"), ("Spain", "Madrid", (), "head"), ("Egypt", "Cairo", (), "head"),
@@ -251,7 +251,7 @@ def real_facts() -> list[Fact]:
 
 REAL_FACTS = real_facts()
 
-# %% ../../nbs/evaluation/wiki_profile.ipynb #c1a95ef8
+# %% ../../nbs/evaluation/wiki_profile.ipynb #wp000031
 def world_texts(corpus: Sequence[str], qa: Sequence[str], facts: Sequence[Fact], fmt: Any) -> list[str]:
     """Every text the tiny model's tokenizer must encode: training lines, probes in each mode, MC options."""
     out = list(corpus) + list(qa)
