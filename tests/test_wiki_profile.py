@@ -231,3 +231,20 @@ def test_recital_cue_rate():
     tab = pd.DataFrame(dict(fact=[0, 0], kind=["think", "think"], direction=["direct", "direct"],
                             output=[" Ana Bel was born in Oslo.", " Bo Ka was born in Rome."]))
     assert recital_cue_rate(tab, facts) == 0.5
+
+
+def test_batched_left_padded_generation_matches_one_by_one():
+    """hf_generate pads on the left; greedy continuations must equal those of each prompt alone (GPT-2 and Llama)."""
+    from kimi_papers.core.models import tiny_causal_lm
+    from kimi_papers.evaluation.wiki_profile import hf_generate
+    from kimi_papers.evaluation.wiki_profile_experiment import SubsetTokenizer
+    from kimi_papers.core.config import model_cache_dir
+    from transformers import AutoTokenizer
+    base = AutoTokenizer.from_pretrained(model_cache_dir() / "smollm2-135m-instruct")
+    prompts = ["Q: Where was Ana born?\nA:", "Q: Who?\nA:", "Ana Bel was born in the city of Rome and", "Q:"]
+    tok = SubsetTokenizer(base, prompts)
+    for arch in ("gpt2", "llama"):
+        model = tiny_causal_lm(tok.vocab_size, d_model=32, n_layers=2, n_heads=2, max_len=64, arch=arch, seed=1)
+        batched = hf_generate(model, tok, prompts, 6, batch_size=4)
+        alone = [hf_generate(model, tok, [p], 6)[0] for p in prompts]
+        assert batched == alone, (arch, batched, alone)
