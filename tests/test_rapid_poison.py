@@ -152,10 +152,11 @@ def test_class_weights_by_hand_and_single_class_warning():
 
 def test_compiled_guard_matches_eager():
     g = torch.Generator().manual_seed(3)
-    X = torch.nn.functional.normalize(torch.randn(200, 64, generator=g, dtype=torch.float64), dim=-1); y = (X[:, 1] > 0).double()
+    X = torch.nn.functional.normalize(torch.randn(200, 64, generator=g, dtype=torch.float64), dim=-1)
+    y = (10 * X[:, 1] + torch.randn(200, generator=g, dtype=torch.float64) > 0).double()
     for kind in ("logreg", "mlp"):
-        a = Guard(kind, steps=200, compiled=False).fit(X, y)
-        b = Guard(kind, steps=200, compiled=True).fit(X, y)
+        a = Guard(kind, l2=1e-2, lr=0.01, steps=200, compiled=False).fit(X, y)
+        b = Guard(kind, l2=1e-2, lr=0.01, steps=200, compiled=True).fit(X, y)
         assert max(abs(u - v) for u, v in zip(a.losses, b.losses)) < 1e-5
         assert float((a.predict_proba(X) - b.predict_proba(X)).abs().max()) < 1e-5
 
