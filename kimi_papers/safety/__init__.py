@@ -1,0 +1,1 @@
+"""Safety papers: attacks on and defences of LLM guardrails."""
