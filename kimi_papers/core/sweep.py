@@ -373,8 +373,13 @@ def run_sweep(book: Workbook, grid: Mapping[str, Sequence[Any]], fixed: Mapping[
     nb_text, timeout = book.path.read_text(encoding="utf-8"), 4 * settings().budget_s(profile)
     got: dict[int, dict[int, PointResult]] = {}
     done: list[PointResult] = []
-    signum = None
-    old = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops a sweep as Ctrl-C does
+    signum, caught = None, []
+
+    def on_signal(sig: int, frame: Any) -> None:  # Ctrl-C and SIGTERM: remembered even if a library swallows the raise
+        caught.append(sig)
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with dask_client(min(jobs, len(tasks)), scheduler, cluster) as client:
             if progress and client.dashboard_link:
@@ -386,24 +391,31 @@ def run_sweep(book: Workbook, grid: Mapping[str, Sequence[Any]], fixed: Mapping[
             bar = tqdm(total=len(points), desc=f"kimi-papers sweep {book.slug} ({profile})", unit="point",
                        disable=not progress)
             try:
-                for fut in as_completed(list(futs)):
-                    i, k, prm = futs[fut]
-                    try:
-                        r = fut.result()
-                    except Exception as e:  # KilledWorker after the retry, or a worker-side error
-                        r = PointResult(i, prm, False, "failed", 0.0, f"{type(e).__name__}: {e}"[:500])
-                    got.setdefault(i, {})[k] = r
-                    if len(got[i]) < n_chunks[i]:
-                        continue
-                    parts = [got[i][kk] for kk in sorted(got[i])]
-                    r = parts[0] if len(parts) == 1 and split_seeds is None else _merge_chunks(i, points[i], parts, profile)
-                    here = run_dir / "points" / f"{i:03d}"
-                    for kk, part in enumerate(parts if split_seeds is not None else []):
-                        _save_point(here / "chunks" / f"{kk}", part, book.slug)
-                    _save_point(here, r, book.slug)
-                    done.append(r)
-                    bar.set_postfix_str(f"point {i} {r.status}")
-                    bar.update()
+                pending = as_completed(list(futs))
+                while not pending.is_empty():
+                    batch = pending.next_batch(block=False)  # polled: a signal is seen within 0.2 s
+                    if caught:
+                        raise KeyboardInterrupt
+                    if not batch:
+                        time.sleep(0.2)
+                    for fut in batch:
+                        i, k, prm = futs[fut]
+                        try:
+                            r = fut.result()
+                        except Exception as e:  # KilledWorker after the retry, or a worker-side error
+                            r = PointResult(i, prm, False, "failed", 0.0, f"{type(e).__name__}: {e}"[:500])
+                        got.setdefault(i, {})[k] = r
+                        if len(got[i]) < n_chunks[i]:
+                            continue
+                        parts = [got[i][kk] for kk in sorted(got[i])]
+                        r = parts[0] if len(parts) == 1 and split_seeds is None else _merge_chunks(i, points[i], parts, profile)
+                        here = run_dir / "points" / f"{i:03d}"
+                        for kk, part in enumerate(parts if split_seeds is not None else []):
+                            _save_point(here / "chunks" / f"{kk}", part, book.slug)
+                        _save_point(here, r, book.slug)
+                        done.append(r)
+                        bar.set_postfix_str(f"point {i} {r.status}")
+                        bar.update()
             except KeyboardInterrupt:
                 signum = signal.SIGINT
                 client.cancel(list(futs), force=True)
@@ -414,7 +426,9 @@ def run_sweep(book: Workbook, grid: Mapping[str, Sequence[Any]], fixed: Mapping[
     except KeyboardInterrupt:  # a second Ctrl-C while closing the cluster
         signum = signal.SIGINT
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for s_, h in old.items():
+            signal.signal(s_, h)
+    signum = signal.SIGINT if caught else signum  # SIGTERM ends a sweep as Ctrl-C does (exit 130)
     table = sweep_table(done, profile)
     meta = {"slug": book.slug, "profile": profile, "grid": dict(grid), "fixed": dict(fixed or {}),
             "split_seeds": split_seeds, "points": len(points), "finished": len(done),
