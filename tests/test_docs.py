@@ -402,8 +402,11 @@ def test_paper_pages_draw_every_figure_once_with_no_legend_over_a_title(site):
     import functools
     import http.server
     import threading
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
-    handler.log_message = lambda *a, **k: None
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # no access log on stderr
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     pages, problems = _paper_pages(site), []
