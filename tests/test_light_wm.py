@@ -7,10 +7,11 @@ import torch
 
 from kimi_papers.agents.light_wm import (
     FAMILIES, MAX_STEPS, OBJECTS, SPLITS, ActionScorer, ExpertPlanner, HierMemory, LightWMAgent, MiniALFEnv,
-    NoisyScriptedPolicy, OracleAgent, RandomPolicy, ReActAgent, Schema, SummaryMemoryAgent, abstract_action,
+    OracleAgent, ReActAgent, Schema, SummaryMemoryAgent, abstract_action,
     apply_rules, candidate_logp, candidate_logp_eager, count_tokens, evaluate, induce_schema, lines_to_slots, new_slots,
     parse_goal, run_episode, see_list, slots_to_lines)
-from kimi_papers.agents.light_wm_experiment import build_schemas, per_seed, receptacle_prior, run_grid, noisy_arms
+from kimi_papers.agents.light_wm_experiment import (
+    NoisyScriptedPolicy, RandomPolicy, build_schemas, noisy_arms, per_seed, receptacle_prior, run_grid)
 from kimi_papers.core.models import CharTokenizer, tiny_causal_lm
 
 
