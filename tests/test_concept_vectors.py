@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from kimi_papers.safety.concept_vectors import (ConceptVectors, DiffusionConfig, TinyDiT, TinyUNet, VectorConfig, attn_inject,
-                                                attn_module_output, ddim_sample, deviation_ratio, drop_tokens, encode_prompt,
-                                                fd_proxy, linearity_errors, make_attribute_digits, make_scheduler, top_heads,
+                                                ddim_sample, drop_tokens, encode_prompt,
+                                                make_attribute_digits, make_scheduler, top_heads,
                                                 train_concept_vectors, train_diffusion, transform)
-from kimi_papers.safety.concept_vectors_experiment import ATTR_IDS, conj_score, random_like, tune
+from kimi_papers.safety.concept_vectors_experiment import (ATTR_IDS, attn_module_output, conj_score, deviation_ratio, fd_proxy,
+                                                           linearity_errors, random_like, tune)
 
 
 @pytest.fixture(scope="module")

@@ -60,8 +60,7 @@ def make_attribute_digits(images: np.ndarray, digits: np.ndarray, bias: dict, rn
 __all__ = ['WEIGHTS', 'POSITIONS', 'CANVAS', 'SLOTS', 'VOCAB', 'attn_inject_compiled', 'transform', 'make_attribute_digits',
            'encode_prompt', 'ConceptVectors', 'BottleneckVector', 'attn_inject', 'HeadInjectProcessor', 'TinyDiT',
            'TinyUNet', 'DiffusionConfig', 'make_scheduler', 'drop_tokens', 'train_diffusion', 'ddim_sample',
-           'generate_concept_dataset', 'VectorConfig', 'train_concept_vectors', 'top_heads', 'finetune_debias',
-           'deviation_ratio', 'fd_proxy', 'attn_module_output', 'linearity_errors']
+           'generate_concept_dataset', 'VectorConfig', 'train_concept_vectors', 'top_heads', 'finetune_debias']
 
 # %% ../../nbs/safety/concept_vectors.ipynb #dc7221fa
 SLOTS = ((None,) + tuple(str(d) for d in range(10)), (None,) + WEIGHTS, (None,) + POSITIONS)
@@ -430,77 +429,3 @@ def finetune_debias(model: nn.Module, images, neutral_prompt: Tensor, cfg: Diffu
     ft = copy.deepcopy(model)
     train_diffusion(ft, images, neutral_prompt, cfg)
     return ft
-
-# %% ../../nbs/safety/concept_vectors.ipynb #d7097cfc
-def deviation_ratio(attr_labels, n_classes: int = 2) -> float:
-    """max_k |p_k − 1/K| / (1 − 1/K). Binary labels may be probabilities: > 0.5 counts 1, exactly 0.5 counts half."""
-    a = np.asarray(attr_labels, dtype=float)
-    if a.size == 0:
-        raise ValueError("attr_labels: deviation ratio of zero samples")
-    if n_classes == 2:
-        if ((a < 0) | (a > 1)).any():
-            raise ValueError("attr_labels: expected labels or probabilities in [0, 1]")
-        p1 = float(np.mean(np.where(a > 0.5, 1.0, np.where(a == 0.5, 0.5, 0.0))))
-        p = np.array([1 - p1, p1])
-    else:
-        if not np.isin(a, np.arange(n_classes)).all():
-            raise ValueError(f"attr_labels: expected integer labels in 0..{n_classes - 1}")
-        p = np.bincount(a.astype(int), minlength=n_classes) / a.size
-    return float(np.abs(p - 1 / n_classes).max() / (1 - 1 / n_classes))
-
-
-def fd_proxy(feats_a, feats_b) -> float:
-    """Fréchet distance between Gaussians fitted to two feature sets: ‖μa−μb‖² + tr(Σa + Σb − 2(Σa Σb)^½)."""
-    from scipy import linalg
-    a, b = np.asarray(feats_a, np.float64), np.asarray(feats_b, np.float64)
-    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1] or min(len(a), len(b)) < 2:
-        raise ValueError("feats_a, feats_b: expected two [n, d] arrays with the same d and n >= 2")
-    ma, mb = a.mean(0), b.mean(0)
-    sa, sb = np.atleast_2d(np.cov(a, rowvar=False)), np.atleast_2d(np.cov(b, rowvar=False))
-    cov = linalg.sqrtm(sa @ sb)
-    cov = cov.real if np.iscomplexobj(cov) else cov
-    return float(((ma - mb) ** 2).sum() + np.trace(sa + sb - 2 * cov))
-
-
-@torch.no_grad()
-def attn_module_output(model: TinyDiT, layer: int, hidden: Tensor, ctx: Tensor, concept=None, scale: float = 1.0) -> Tensor:
-    """The output of cross-attention module `layer` (after W_O, before the residual) on given inputs, with `concept` injected."""
-    if not 0 <= layer < model.layers:
-        raise ValueError(f"layer: expected 0..{model.layers - 1}, got {layer}")
-    model._active = (concept, _check_scale(scale))
-    try:
-        return model.attn_modules()[layer](hidden, encoder_hidden_states=ctx)
-    finally:
-        model._active = (None, 1.0)
-
-
-@torch.no_grad()
-def linearity_errors(model: TinyDiT, vecs: Sequence[ConceptVectors], alphas: Sequence[float], x_t: Tensor, t: Tensor,
-                     prompt: Tensor) -> dict:
-    """Thm 1 at the cross-attention module output (max abs error of additivity / homogeneity) and Thm 2 at the model output
-    (relative error): o(Σα_i v_i) − o(0) vs Σ α_i (o(v_i) − o(0))."""
-    if len(vecs) != 2 or len(alphas) != 2:
-        raise ValueError("vecs, alphas: expected two concepts and two coefficients")
-    ins: list = []
-    hooks = [m.register_forward_pre_hook(lambda mod, a, kw: ins.append((a[0], kw.get("encoder_hidden_states"))), with_kwargs=True)
-             for m in model.attn_modules()]
-    try:
-        f0 = model(x_t, t, prompt)
-    finally:
-        for h in hooks:
-            h.remove()
-    f1, f2 = model(x_t, t, prompt, vecs[0], 1.0), model(x_t, t, prompt, vecs[1], 1.0)
-    fc = model(x_t, t, prompt, ConceptVectors.combine(vecs, alphas), 1.0)
-    fh = model(x_t, t, prompt, vecs[0], float(alphas[0]))
-    add_attn = hom_attn = 0.0
-    for l, (h, ctx) in enumerate(ins):      # Thm 1: each module on the same input, vectors varied
-        o = lambda v, s=1.0: attn_module_output(model, l, h, ctx, v, s)
-        o0, o1, o2 = o(None), o(vecs[0]), o(vecs[1])
-        oc = o(ConceptVectors.combine(vecs, alphas))
-        add_attn = max(add_attn, float((oc - o0 - alphas[0] * (o1 - o0) - alphas[1] * (o2 - o0)).abs().max()))
-        hom_attn = max(hom_attn, float((o(vecs[0], float(alphas[0])) - o0 - alphas[0] * (o1 - o0)).abs().max()))
-    al, be = alphas
-    add_model = (fc - f0 - al * (f1 - f0) - be * (f2 - f0)).norm() / (al * (f1 - f0) + be * (f2 - f0)).norm()
-    hom_model = (fh - f0 - al * (f1 - f0)).norm() / (al * (f1 - f0)).norm()
-    return dict(attn_additivity_abs=add_attn, attn_homogeneity_abs=hom_attn, model_additivity_rel=float(add_model),
-                model_homogeneity_rel=float(hom_model))
