@@ -15,109 +15,15 @@ from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
 from ..core.kernels import compile_fn
+from .sage_scenes import (
+    SHAPES, COMPOSITES, PARTS, COLOURS, RGB, LABEL_CHAR, CHAR_LABEL, CHAR_COLOUR, RELATIONS, CELLS, GRID_X, GRID_D, IMG, BINS,
+    PART_FRAC, Scene, cell_box, SceneWorld, render, check_image)
 
 # %% auto #0
-__all__ = ['SHAPES', 'COMPOSITES', 'PARTS', 'COLOURS', 'RGB', 'LABEL_CHAR', 'CHAR_LABEL', 'CHAR_COLOUR', 'RELATIONS', 'CELLS',
-           'GRID_X', 'GRID_D', 'IMG', 'BINS', 'PART_FRAC', 'node_reward_batch_compiled', 'Scene', 'cell_box',
-           'SceneWorld', 'render', 'check_image', 'SceneGraph', 'build_scene_graph', 'serialise', 'diameter', 'resolve',
-           'sample_question', 'Trace', 'qbox', 'qdepth', 'render_trace', 'parse_trace', 'expand_compact',
-           'compact_trace', 'answer_of', 'iou', 'match_nodes', 'node_grounded_reward', 'set_f1',
-           'node_relevance_reward', 'total_reward', 'node_reward_batch', 'node_reward_loop', 'pack_traces',
-           'majority_rule', 'named_colour_rule']
-
-# %% ../../nbs/evaluation/sage.ipynb #2041d259
-SHAPES = {"cube": "q", "sphere": "s", "cylinder": "y", "cone": "n"}        # simple objects
-COMPOSITES = {"table": ("t", ("top", "legs")), "lamp": ("l", ("shade", "base")), "car": ("k", ("body", "wheels"))}
-PARTS = {"top": "o", "legs": "g", "shade": "h", "base": "b", "body": "d", "wheels": "w"}
-COLOURS = {"red": "r", "green": "e", "blue": "u", "yellow": "x", "purple": "p", "cyan": "c"}
-RGB = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (230, 210, 40),
-       "purple": (150, 60, 200), "cyan": (40, 200, 210)}
-LABEL_CHAR = {**SHAPES, **{k: v[0] for k, v in COMPOSITES.items()}, **PARTS}
-CHAR_LABEL = {v: k for k, v in LABEL_CHAR.items()}
-CHAR_COLOUR = {v: k for k, v in COLOURS.items()}
-RELATIONS = {"<": "left_of", ">": "right_of", "^": "behind", "v": "in_front_of", ".": "has_part", "~": "part_of"}
-CELLS = "ABCDEFGHIJKL"                  # one region token per grid cell: CELLS[x + 4 d]
-GRID_X, GRID_D, IMG = 4, 3, 64          # columns, depth rows (0 = front), image side
-BINS = 16                               # coordinates and depth are quantised to 16 bins in the full trace text
-PART_FRAC = {"top": (0.0, 0.3), "legs": (0.3, 1.0), "shade": (0.0, 0.5), "base": (0.7, 1.0),
-             "body": (0.0, 0.7), "wheels": (0.7, 1.0)}   # vertical slice of the object's box each part fills
-
-
-@dataclass
-class Scene:
-    """One SceneWorld scene: `objects` (dicts: label, colour, size, x, d, z, parts) and the uint8 image [64, 64, 3]."""
-    objects: list[dict]
-    image: np.ndarray
-    seed: int = 0
-
-
-def cell_box(x: int, d: int, label: str, large: bool) -> tuple[float, float, float, float]:
-    """The box (x1, y1, x2, y2) in pixels of `label` standing in grid cell (x, d): perspective shrinks far rows."""
-    scale = 1.0 - 0.22 * d
-    w = (13.0 if large else 9.0) * scale
-    h = (15.0 if large else 10.0) * scale
-    cx, ground = 8.0 + 16.0 * x, 60.0 - 11.0 * d
-    x1, y1, x2, y2 = cx - w / 2, ground - h, cx + w / 2, ground
-    if label in PART_FRAC:
-        a, b = PART_FRAC[label]
-        y1, y2 = y1 + a * h, y1 + b * h
-    return (x1, y1, x2, y2)
-
-
-class SceneWorld:
-    """Procedural CLEVR-like scenes on a 4 x 3 (column x depth-row) grid; composites (table, lamp, car) carry parts."""
-
-    def __init__(self, n_objects: tuple[int, int] = (4, 6), composite_p: float = 0.4, seed: int = 0):
-        lo, hi = n_objects
-        if not 2 <= lo <= hi <= GRID_X * GRID_D:
-            raise ValueError(f"n_objects={n_objects!r}: expected 2 <= low <= high <= {GRID_X * GRID_D}")
-        if not 0 <= composite_p <= 1:
-            raise ValueError(f"composite_p={composite_p!r}: expected a probability in [0, 1]")
-        self.n_objects, self.composite_p, self.seed = (lo, hi), composite_p, seed
-        self.rng = np.random.default_rng(seed)
-
-    def sample(self) -> Scene:
-        """The next scene of this world's stream (deterministic for the seed)."""
-        rng = self.rng
-        n = int(rng.integers(self.n_objects[0], self.n_objects[1] + 1))
-        cells = rng.choice(GRID_X * GRID_D, n, replace=False)
-        cols = list(COLOURS)
-        objs = []
-        for c in cells:
-            x, d = int(c % GRID_X), int(c // GRID_X)
-            comp = rng.random() < self.composite_p
-            label = str(rng.choice(list(COMPOSITES) if comp else list(SHAPES)))
-            parts = [dict(label=p, colour=str(rng.choice(cols))) for p in COMPOSITES[label][1]] if comp else []
-            objs.append(dict(label=label, colour=str(rng.choice(cols)), large=bool(rng.random() < 0.5), x=x, d=d,
-                             z=float(np.clip((d + rng.random()) / GRID_D, 0, 1)), parts=parts))
-        return Scene(objs, render(objs), self.seed)
-
-
-def render(objects: list[dict]) -> np.ndarray:
-    """Paint the objects back to front (far rows first) into a uint8 [64, 64, 3] image: occlusion by painter's order."""
-    img = np.full((IMG, IMG, 3), 235, dtype=np.uint8)
-    img[int(60 - 11 * GRID_D):, :] = 200                           # the floor
-    yy, xx = np.mgrid[0:IMG, 0:IMG] + 0.5
-    for o in sorted(objects, key=lambda o: -o["z"]):
-        pieces = [(p["label"], p["colour"]) for p in o["parts"]] or [(o["label"], o["colour"])]
-        for lab, col in pieces:
-            x1, y1, x2, y2 = cell_box(o["x"], o["d"], lab, o["large"])
-            if lab == "sphere":
-                m = ((xx - (x1 + x2) / 2) / ((x2 - x1) / 2)) ** 2 + ((yy - (y1 + y2) / 2) / ((y2 - y1) / 2)) ** 2 <= 1
-            elif lab == "cone":
-                m = (yy >= y1) & (yy <= y2) & (np.abs(xx - (x1 + x2) / 2) <= (yy - y1) / (y2 - y1) * (x2 - x1) / 2)
-            else:
-                m = (xx >= x1) & (xx <= x2) & (yy >= y1) & (yy <= y2)
-            img[m] = RGB[col]
-    return img
-
-
-def check_image(image: Any) -> np.ndarray:
-    """The image if it is uint8 [64, 64, 3], else a ValueError naming `image`."""
-    if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.shape != (IMG, IMG, 3):
-        got = (getattr(image, "dtype", type(image).__name__), getattr(image, "shape", None))
-        raise ValueError(f"image: expected a uint8 array of shape [64, 64, 3], got {got}")
-    return image
+__all__ = ['node_reward_batch_compiled', 'SceneGraph', 'build_scene_graph', 'serialise', 'diameter', 'resolve', 'sample_question',
+           'Trace', 'qbox', 'qdepth', 'render_trace', 'parse_trace', 'expand_compact', 'compact_trace', 'answer_of',
+           'iou', 'match_nodes', 'node_grounded_reward', 'set_f1', 'node_relevance_reward', 'total_reward',
+           'node_reward_batch', 'node_reward_loop', 'pack_traces', 'majority_rule', 'named_colour_rule']
 
 # %% ../../nbs/evaluation/sage.ipynb #8d20f907
 @dataclass
