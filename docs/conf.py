@@ -59,7 +59,10 @@ mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
 mathjax2_config = {
     "tex2jax": {"inlineMath": [["\\(", "\\)"]], "displayMath": [["\\[", "\\]"]], "processEscapes": True},
     "HTML-CSS": {"availableFonts": ["STIX-Web"], "preferredFont": "STIX-Web", "webFont": "STIX-Web",
-                 "imageFont": None},
+                 "imageFont": None,
+                 # the width-test font MathJax_Blank points at url('about:blank'), which Chromium refuses (a CORS
+                 # error per page); a local() source fails silently, the same fallback without the error
+                 "styles": {"@font-face": {"font-family": "MathJax_Blank", "src": "local('MathJax_Blank')"}}},
     "showMathMenu": False,
     "messageStyle": "none",
 }

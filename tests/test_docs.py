@@ -361,3 +361,79 @@ def test_render_check_fails_without_local_plotly(site, tmp_path):
     dom, console = _chromium(broken, tmp_path, tmp_path / "broken.png")
     assert 'class="main-svg"' not in dom
     assert "Plotly is not defined" in console
+
+
+# ------------------------------------------------------------- every paper page in a real browser (playwright)
+
+JS_LAYOUT = """() => {
+  const box = e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+  const hit = (a, b) => a[0] < b[2] - 1 && b[0] < a[2] - 1 && a[1] < b[3] - 1 && b[1] < a[3] - 1;
+  const out = {divs: document.querySelectorAll('.plotly-graph-div').length,
+               drawn: document.querySelectorAll('.js-plotly-plot').length, overlaps: [],
+               math: document.querySelectorAll('.math').length, typeset: document.querySelectorAll('span.MathJax').length};
+  document.querySelectorAll('.js-plotly-plot').forEach((plot, i) => {
+    const legend = plot.querySelector('.legend');
+    if (!legend || legend.getBoundingClientRect().width === 0) return;
+    const titles = [...plot.querySelectorAll('.g-gtitle text, .infolayer .annotation-text')]
+      .filter(t => t.textContent.trim() && t.getBoundingClientRect().width > 0);
+    titles.forEach(t => { if (hit(box(legend), box(t))) out.overlaps.push(`figure ${i}: legend over "${t.textContent.trim().slice(0, 60)}"`); });
+  });
+  return out;
+}"""
+
+
+def _paper_pages(site: Path) -> list:
+    return sorted(p for folder in ("agents", "architectures", "decoding", "evaluation", "rl", "safety", "science", "serving")
+                  for p in (site / folder).glob("*.html") if p.name != "index.html")
+
+
+@pytest.mark.browser
+def test_paper_pages_draw_every_figure_once_with_no_legend_over_a_title(site):
+    """Every paper page served over http: each plotly figure drawn, no legend box over a title or an annotation, math
+    typeset, and no request failing (no missing font, script or image)."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("needs playwright (pip)")
+    if CHROMIUM is None:
+        pytest.skip("needs chromium")
+    import functools
+    import http.server
+    import threading
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # no access log on stderr
+            pass
+
+    handler = functools.partial(Quiet, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pages, problems = _paper_pages(site), []
+    assert len(pages) >= 28, pages
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+            for page_path in pages:
+                rel = page_path.relative_to(site).as_posix()
+                page = browser.new_page(viewport={"width": 1300, "height": 900})
+                failed = []
+                page.on("requestfailed", lambda r: failed.append(r.url))
+                page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+                page.goto(f"http://127.0.0.1:{server.server_port}/{rel}", wait_until="load")
+                page.wait_for_function("() => !window.MathJax || !MathJax.Hub || MathJax.Hub.queue.pending === 0",
+                                       timeout=60_000)
+                page.wait_for_timeout(300)
+                s = page.evaluate(JS_LAYOUT)
+                failed = [f for f in failed if not f.endswith("favicon.ico")]
+                if s["drawn"] != s["divs"]:
+                    problems.append(f"{rel}: {s['drawn']} of {s['divs']} figures drawn")
+                problems += [f"{rel}: {o}" for o in s["overlaps"]]
+                if s["math"] and not s["typeset"]:
+                    problems.append(f"{rel}: math not typeset")
+                problems += [f"{rel}: request failed {f}" for f in failed]
+                page.close()
+            browser.close()
+    finally:
+        server.shutdown()
+    assert not problems, "\n".join(problems)

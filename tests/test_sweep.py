@@ -101,6 +101,33 @@ def test_sweep_on_a_scheduler_equals_the_local_cluster(cluster, tmp_path):
     assert _kernels_under([p.pid for p in procs]) == []                           # no kernel left on the workers
 
 
+def test_run_on_a_scheduler_ships_back_what_the_local_cluster_writes(cluster, tmp_path):
+    """`kimi-papers run --scheduler`: remote workers send the executed notebook and results back (no shared file
+    system), and the entries equal those of the default LocalCluster."""
+    addr, procs = cluster
+    proj = tmp_path / "proj"
+    (proj / "nbs" / "core").mkdir(parents=True)
+    (proj / "settings.ini").write_text((ROOT / "settings.ini").read_text())
+    (proj / "pyproject.toml").write_text("")
+    (proj / "nbs" / "core" / "tiny_sweep.ipynb").write_text(NB.read_text())
+    entries = {}
+    for name, extra in (("remote", ["--scheduler", addr]), ("local", ["--jobs", "1"])):
+        env = {**_env(tmp_path / name), "KIMI_PAPERS_ROOT": str(proj)}
+        r = subprocess.run([str(BIN / "kimi-papers"), "run", "core.tiny_sweep", "--quiet", "-p", "shift=2.0", *extra],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        latest = (tmp_path / name / "runs" / "latest").resolve()
+        executed = json.loads((latest / "core" / "tiny_sweep.ipynb").read_text())
+        assert any(o.get("name") == "stdout" for c in executed["cells"] for o in c.get("outputs", []))
+        data = json.loads((latest / "results" / "tiny_sweep.json").read_text())
+        entries[name] = {cid: {k: item["runs"]["smoke"].get(k) for k in KEYS} for cid, item in data["claims"].items()}
+        manifest = json.loads((latest / "run.json").read_text())
+        assert manifest["notebooks"]["core.tiny_sweep"]["status"] == "ok"
+    assert entries["remote"] == entries["local"] and entries["local"]["mean_positive"]["n"] == 3
+    time.sleep(1)
+    assert _kernels_under([p.pid for p in procs]) == []
+
+
 def test_seeds_split_across_workers_give_one_process_entries(cluster, tmp_path):
     addr, _ = cluster
     common = ["-p", "shift=0.3", "--seeds", "0-5", "--scheduler", addr]

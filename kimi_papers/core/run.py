@@ -15,8 +15,8 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -161,20 +161,113 @@ def interrupted_line(signum: int, results: Sequence[RunResult]) -> str:
     return f"interrupted by {signal.Signals(signum).name}; " + "; ".join(parts)
 
 # %% ../../nbs/core/run.ipynb #4512aa4e
+def _landed(fut: Any, book: Workbook, out: Path, results: Path, budget: float) -> RunResult:
+    """A finished task's RunResult on the client: what a remote worker shipped back is written under `out` / `results`."""
+    try:
+        r, executed, files = fut.result()
+    except Exception as e:  # the worker died twice (KilledWorker) or the task raised: this notebook fails, not the run
+        return RunResult(book.slug, False, 0.0, budget, out, f"{type(e).__name__}: {e}"[:500])
+    if executed or files:
+        target = out.with_name(r.output.name)  # `<name>.incomplete.ipynb` when it was cut short
+        if executed:
+            atomic_write_text(target, executed)
+        for name, text in files.items():
+            atomic_write_text(results / name, text)
+        r = dataclasses.replace(r, output=target)
+    return r
+
+
+def _dispatch(books: Sequence[Workbook], outs: dict[str, Path], owns: dict[str, Path], profile: str,
+              params: dict[str, Any], jobs: int, threads: int | None, timeout: float, scheduler: str | None,
+              cluster: str, progress: bool) -> tuple[dict[str, RunResult], int | None]:
+    """Run every book as a Dask task (core.sweep's executor); returns the results by slug and the signal that stopped it.
+
+    SIGINT/SIGTERM: every worker stops its notebooks (`stop_runs`), the tasks that were running or queued report
+    'interrupted' / 'not started' within seconds, the rest are cancelled; a second signal kills without grace."""
+    from distributed import as_completed
+    from tqdm import tqdm
+
+    from kimi_papers.core.sweep import dask_client, resume_runs, run_book, stop_runs
+    scheduler = scheduler or settings().get("run", "scheduler") or None
+    ship = bool(scheduler) or cluster != "local"  # no shared file system beyond the LocalCluster this call starts
+    budget = settings().budget_s(profile)
+    got: dict[str, RunResult] = {}
+    caught: list[int] = []
+
+    def on_signal(sig: int, frame: Any) -> None:
+        first = not caught
+        caught.append(sig)
+        if first:
+            raise KeyboardInterrupt
+
+    main = threading.current_thread() is threading.main_thread()
+    old = {s_: signal.signal(s_, on_signal) for s_ in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        with dask_client(max(1, min(jobs, len(books))), scheduler, cluster) as client:
+            if progress and ship and client.dashboard_link:
+                print(f"kimi-papers run: Dask dashboard at {client.dashboard_link}")
+            futs = {client.submit(run_book, b, str(outs[b.slug]), profile, params, str(owns[b.slug]), threads, timeout,
+                                  b.path.read_text(encoding="utf-8") if ship else None, pure=False,
+                                  key=f"run-{b.slug}-{os.getpid()}-{time.time_ns()}"): b for b in books}
+            bar = tqdm(total=len(books), desc=f"kimi-papers run ({profile})", unit="nb", disable=not progress)
+            try:
+                pending = as_completed(list(futs))
+                while not pending.is_empty():
+                    batch = pending.next_batch(block=False)  # polled: a signal is seen within 0.2 s
+                    if caught:
+                        raise KeyboardInterrupt
+                    if not batch:
+                        time.sleep(0.2)
+                    for fut in batch:
+                        b = futs[fut]
+                        r = got[b.slug] = _landed(fut, b, outs[b.slug], owns[b.slug], budget)
+                        bar.set_postfix_str(f"{r.slug} {r.status} {r.seconds:.0f}s")
+                        bar.update()
+            except KeyboardInterrupt:
+                caught[:] = caught or [signal.SIGINT]
+                client.run(stop_runs, caught[0])
+                deadline = time.monotonic() + 15
+                for fut, b in futs.items():
+                    if b.slug in got:
+                        continue
+                    if len(caught) > 1:  # a second Ctrl-C: kill without grace
+                        client.run(stop_runs, caught[0])
+                    try:
+                        fut.result(timeout=max(0.1, deadline - time.monotonic()))
+                        got[b.slug] = _landed(fut, b, outs[b.slug], owns[b.slug], budget)
+                    except Exception:
+                        got[b.slug] = RunResult(b.slug, False, 0.0, budget, outs[b.slug], "not started",
+                                                status="not started")
+                client.cancel(list(futs), force=True)
+                if ship:
+                    client.run(resume_runs)
+            finally:
+                bar.close()
+    finally:
+        for s_, h in old.items():
+            signal.signal(s_, h)
+    return got, (caught[0] if caught else None)
+
+
 def run_many(books: Sequence[Workbook], profile: str = "smoke", params: dict[str, Any] | None = None,
              jobs: int | None = None, record: bool = False, root: Path | None = None,
-             progress: bool = True) -> tuple[list[RunResult], Path]:
-    """Run `books` with papermill, `jobs` at a time, into a fresh `runs/<timestamp>/`; returns results and the run folder.
+             progress: bool = True, scheduler: str | None = None, cluster: str = "local") -> tuple[list[RunResult], Path]:
+    """Run `books` with papermill as Dask tasks, `jobs` at a time, into a fresh `runs/<timestamp>/`; returns results and
+    the run folder.
 
-    Results go to `<run folder>/results` (and `runs/latest` points at the run); under `record`, each notebook that
-    succeeded has its results adopted into `ledger_dir()` (its entries for that profile replace the recorded ones).
-    SIGINT/SIGTERM stop every child and raise `RunInterrupted`."""
+    The executor is `kimi-papers sweep`'s: a LocalCluster of `jobs` one-thread workers by default, `scheduler`
+    (tcp://host:port) for an existing cluster, `cluster="slurm"` for one from settings.ini. Results go to
+    `<run folder>/results` (and `runs/latest` points at the run); under `record`, each notebook that succeeded has its
+    results adopted into `ledger_dir()` (its entries for that profile replace the recorded ones).
+    SIGINT/SIGTERM stop every notebook and raise `RunInterrupted`."""
     check_profile(profile)
     root = root or project_root()
     s = settings()
     jobs = jobs if jobs is not None else s.get("run", "jobs")
     if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 0:
         raise ValueError(f"--jobs={jobs!r}: expected a non-negative integer")
+    if cluster not in ("local", "slurm"):
+        raise ValueError(f"--cluster={cluster!r}: expected 'local' or 'slurm'")
     jobs = jobs or os.cpu_count() or 1
     for b in books:  # every -p checked against every notebook before anything runs
         check_params(b, params or {}, profile)
@@ -183,30 +276,14 @@ def run_many(books: Sequence[Workbook], profile: str = "smoke", params: dict[str
     results = run_dir / "results"  # under `record` each notebook gets its own subfolder, adopted only if it succeeds
     results.mkdir(parents=True, exist_ok=True)
     own = (lambda b: results / b.slug) if record else (lambda b: results)
+    for b in books:
+        own(b).mkdir(parents=True, exist_ok=True)
     threads = s.get("run", "threads_per_job") if jobs > 1 else None
-    timeout = 4 * s.budget_s(profile)
-    from tqdm import tqdm
-    bar = tqdm(total=len(books), desc=f"kimi-papers run ({profile})", unit="nb", disable=not progress)
-    out: list[RunResult] = []
-    stop = Stopper()
-    with stop.handling(), ThreadPoolExecutor(max_workers=max(1, min(jobs, len(books) or 1))) as pool:
-        futs = [pool.submit(run_notebook, b, run_dir / b.path.relative_to(root / "nbs"), profile,
-                            params or {}, own(b), threads, timeout, stop) for b in books]
-        try:
-            for f in as_completed(futs):
-                r = f.result()
-                out.append(r)
-                bar.set_postfix_str(f"{r.slug} {r.status} {r.seconds:.0f}s")
-                bar.update()
-        except BaseException:  # a worker failed to start its child: stop the others rather than wait for them
-            stop.request(signal.SIGTERM)
-            stop.join()
-            raise
-        stop.join()
-    bar.close()
-    order = {b.slug: i for i, b in enumerate(books)}
-    out.sort(key=lambda r: order[r.slug])
-    write_manifest(run_dir, profile, record, results, out, started, stop.signum)
+    outs = {b.slug: run_dir / b.path.relative_to(root / "nbs") for b in books}
+    got, signum = _dispatch(books, outs, {b.slug: own(b) for b in books}, profile, params or {}, jobs, threads,
+                            4 * s.budget_s(profile), scheduler, cluster, progress)
+    out = [got[b.slug] for b in books]
+    write_manifest(run_dir, profile, record, results, out, started, signum)
     if not record:
         point_latest(run_dir)
     if record:  # notebooks that finished (also before a Ctrl-C) are adopted; a failed one never touches the ledger
@@ -215,8 +292,8 @@ def run_many(books: Sequence[Workbook], profile: str = "smoke", params: dict[str
                 adopt(own(b), ledger_dir())
                 if profile == "full" and b.is_paper:
                     adopt_executed(r.output, b.path)
-    if stop.signum is not None:
-        raise RunInterrupted(stop.signum, out, run_dir)
+    if signum is not None:
+        raise RunInterrupted(signum, out, run_dir)
     return out, run_dir
 
 
@@ -423,7 +500,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     profile = check_profile(args.profile or settings().get("profiles", "default"))
     books = select(args.slugs)
     try:
-        results, run_dir = run_many(books, profile, params, args.jobs, args.record, progress=not args.quiet)
+        results, run_dir = run_many(books, profile, params, args.jobs, args.record, progress=not args.quiet,
+                                    scheduler=args.scheduler, cluster=args.cluster)
     except RunInterrupted as e:
         print(f"kimi-papers: {e}", file=sys.stderr)
         return 128 + e.signum
@@ -496,6 +574,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("-p", action="append", metavar="KEY=VALUE", help="override a notebook parameter (repeatable)")
     r.add_argument("--jobs", type=int, help="notebooks at a time (default from settings.ini; 0 = one per core)")
     r.add_argument("--record", action="store_true", help="write data/results/ (and, for full runs, the committed notebooks)")
+    r.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="an existing Dask scheduler (default: settings.ini [run] scheduler)")
+    r.add_argument("--cluster", choices=("local", "slurm"), default="local", help="the cluster to start without --scheduler")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     r.set_defaults(fn=cmd_run)
     w = sub.add_parser("sweep", help="one workbook over a grid of parameter points, as tasks on Dask (a table and a page)")

@@ -26,12 +26,12 @@ from distributed.diagnostics.plugin import WorkerPlugin
 from .config import check_profile, runs_dir, settings
 from .io import atomic_write, atomic_write_text
 from .ledger import role_of
-from .runner import Stopper, Workbook, check_params, run_notebook
+from .runner import RunResult, Stopper, Workbook, check_params, run_notebook
 
 # %% auto #0
-__all__ = ['grid_points', 'check_points', 'PointResult', 'run_point', 'stop_kernels', 'KernelReaper', 'point_rows', 'sweep_table',
-           'sweep_figure', 'write_sweep', 'SweepInterrupted', 'dask_client', 'seed_chunks', 'merge_seed_results',
-           'run_sweep']
+__all__ = ['grid_points', 'check_points', 'PointResult', 'run_point', 'stop_kernels', 'run_book', 'stop_runs', 'resume_runs',
+           'KernelReaper', 'point_rows', 'sweep_table', 'sweep_figure', 'write_sweep', 'SweepInterrupted',
+           'dask_client', 'seed_chunks', 'merge_seed_results', 'run_sweep']
 
 # %% ../../nbs/core/sweep.ipynb #5ca911fc
 def grid_points(grid: Mapping[str, Sequence[Any]], fixed: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -99,6 +99,42 @@ def stop_kernels() -> int:
     _STOP.join()
     _STOP.reset()  # the worker stays usable for a later sweep
     return n
+
+
+def run_book(book: Workbook, out: str, profile: str, params: dict[str, Any], results: str, threads: int | None = None,
+             timeout_s: float | None = None, nb_text: str | None = None) -> tuple[RunResult, str, dict[str, str]]:
+    """One notebook of `kimi-papers run` on this process (a Dask worker): (its RunResult, executed text, results files).
+
+    On a shared file system (the LocalCluster the command starts) it runs `book` into `out` and `results` directly and
+    returns no text. Given `nb_text` (a remote scheduler or SLURM: no shared file system is assumed) it runs that text
+    in a scratch folder, and the executed copy and the results files come back as text for the client to write."""
+    if nb_text is None:
+        return run_notebook(book, Path(out), profile, params, Path(results), threads, timeout_s, _STOP), "", {}
+    with tempfile.TemporaryDirectory(prefix="kimi_run_") as d:
+        src = Path(d) / "nbs" / (book.folder or ".") / Path(out).name
+        src.parent.mkdir(parents=True)
+        src.write_text(nb_text, encoding="utf-8")
+        res = Path(d) / "results"
+        res.mkdir()
+        r = run_notebook(Workbook(book.slug, book.folder, src), Path(d) / "out" / Path(out).name, profile, params, res,
+                         threads, timeout_s, _STOP)
+        files = {p.name: p.read_text(encoding="utf-8") for p in sorted(res.glob("*.json"))}
+        executed = r.output.read_text(encoding="utf-8") if r.output.is_file() else ""
+    return r, executed, files
+
+
+def stop_runs(signum: int) -> int:
+    """Ctrl-C of `kimi-papers run`, on a worker: stop its running notebooks with `signum` (a second call: at once);
+    notebooks that start afterwards return 'not started' until `resume_runs`. Returns how many were running."""
+    n = _STOP.running()
+    _STOP.request(signum)
+    _STOP.join()
+    return n
+
+
+def resume_runs() -> None:
+    """Let this worker start notebooks again after `stop_runs` (a shared cluster outlives one run)."""
+    _STOP.reset()
 
 
 class KernelReaper(WorkerPlugin):

@@ -35,8 +35,9 @@ def _template() -> go.layout.Template:
     t.layout.margin = dict(l=60, r=20, t=60, b=50)
     # the legend sits right of the plot area, top-aligned: never over the title or a subplot title
     t.layout.legend = dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02)
-    # ticks as 1e-4 / 10^-4, never SI prefixes ("100μ" on a KL axis)
-    axis = dict(exponentformat="power", showexponent="all")
+    # ticks as 1e-4 / 10^-4, never SI prefixes ("100μ" on a KL axis); a log axis labels its minor ticks in full
+    # ("50", "5×10^-3"), never as a lone digit ("5")
+    axis = dict(exponentformat="power", showexponent="all", minorloglabels="complete")
     t.layout.xaxis.update(axis)
     t.layout.yaxis.update(axis)
     t.layout.hovermode = "closest"
