@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kimi_papers.evaluation.brain_alignment as ba
+from kimi_papers.evaluation.brain_alignment_compress import _body_linears
 from kimi_papers.core.models import tiny_causal_lm
 from kimi_papers.evaluation.brain_alignment import (
     ALPHAS, fake_quant_groups, fold_scores_compiled, fold_scores_reference, gptq_matrix, input_stats, lanczos_downsample,
@@ -193,7 +194,7 @@ def test_quantize_touches_body_only_and_copies(tiny):
 
 def test_pruning(tiny):
     pm = prune_magnitude(tiny, 0.5)
-    for (_, a), (_, b) in zip(ba._body_linears(tiny), ba._body_linears(pm)):
+    for (_, a), (_, b) in zip(_body_linears(tiny), _body_linears(pm)):
         assert (b.weight == 0).sum().item() == int(0.5 * a.weight.numel())
     w, n2 = torch.tensor([[1.0, 1.0, 2.0, 0.1]]), torch.tensor([1.0, 9.0, 1.0, 100.0])
     assert wanda_mask(w, n2, 0.5).tolist() == [[False, True, True, False]]
@@ -201,7 +202,7 @@ def test_pruning(tiny):
     assert (wanda_mask(torch.randn(4, 16), torch.rand(16), 0.5, n_m=(2, 4)).view(4, 4, 4).sum(-1) == 2).all()
     calib = torch.randint(0, 64, (3, 12))
     pw = prune_wanda(tiny, calib, 0.5)
-    assert all(abs((b.weight == 0).float().mean().item() - 0.5) < 0.02 for _, b in ba._body_linears(pw))
+    assert all(abs((b.weight == 0).float().mean().item() - 0.5) < 0.02 for _, b in _body_linears(pw))
     with pytest.raises(ValueError, match="sparsity"):
         prune_magnitude(tiny, 1.0)
     with pytest.raises(ValueError, match="calib_ids"):

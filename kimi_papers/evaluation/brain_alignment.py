@@ -21,15 +21,15 @@ from torch import Tensor
 
 from ..core.kernels import compile_fn
 from ..core.models import quantize_int8
+from kimi_papers.evaluation.brain_alignment_compress import (
+    check_bits, check_sparsity, fake_quant_groups, quantize_rtn, input_stats, prune_magnitude, wanda_mask,
+    prune_wanda, gptq_matrix, gptq_quantize)
 
 # %% auto #0
-__all__ = ['ROIS', 'SEMANTIC_ROIS', 'ALPHAS', 'DELAYS', 'fold_scores_compiled', 'fake_quant_compiled', 'lanczos_kernel',
-           'lanczos_downsample', 'make_delays', 'zscore_train', 'pearson_columns', 'noise_ceiling',
-           'normalized_alignment', 'roi_alignment', 'RidgeFit', 'check_alphas', 'ridge_closed_form',
-           'fold_scores_reference', 'ridge_cv', 'ridge_cv_himalaya', 'check_bits', 'check_sparsity',
-           'fake_quant_groups', 'quantize_rtn', 'input_stats', 'prune_magnitude', 'wanda_mask', 'prune_wanda',
-           'gptq_matrix', 'gptq_quantize', 'word_token_ids', 'token_hidden_states', 'word_features', 'save_bold_nifti',
-           'load_bold']
+__all__ = ['ROIS', 'SEMANTIC_ROIS', 'ALPHAS', 'DELAYS', 'fold_scores_compiled', 'lanczos_kernel', 'lanczos_downsample',
+           'make_delays', 'zscore_train', 'pearson_columns', 'noise_ceiling', 'normalized_alignment', 'roi_alignment',
+           'RidgeFit', 'check_alphas', 'ridge_closed_form', 'fold_scores_reference', 'ridge_cv', 'ridge_cv_himalaya',
+           'word_token_ids', 'token_hidden_states', 'word_features', 'save_bold_nifti', 'load_bold']
 
 # %% ../../nbs/evaluation/brain_alignment.ipynb #3570452e
 ROIS = ("AG", "ATL", "PTL", "IFG", "IFGOrb", "MFG", "PCC", "dmPFC", "EAC")   # the spec's language network + early auditory
@@ -257,174 +257,6 @@ def ridge_cv_himalaya(X: np.ndarray, Y: np.ndarray, alphas: Sequence[float] = AL
         warnings.simplefilter("ignore")
         m.fit(X, Y)
     return RidgeFit(None, np.asarray(m.best_alphas_), np.asarray(m.cv_scores_).ravel(), X, np.asarray(m.dual_coef_))
-
-# %% ../../nbs/evaluation/brain_alignment.ipynb #f3c5d23a
-def _body_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:
-    """(name, Linear) of the transformer body (`model.model`): embeddings, norms and lm_head are never touched."""
-    if not hasattr(model, "model"):
-        raise ValueError("model: expected a Hugging Face causal LM with a `.model` body (e.g. load_smollm2)")
-    return [(n, m) for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)]
-
-
-def check_bits(bits: Any) -> int:
-    if isinstance(bits, bool) or bits not in (2, 3, 4, 8):
-        raise ValueError(f"bits: expected one of 2, 3, 4, 8, got {bits!r}")
-    return int(bits)
-
-
-def check_sparsity(sparsity: Any) -> float:
-    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0 <= sparsity < 1:
-        raise ValueError(f"sparsity: expected a fraction in [0, 1), got {sparsity!r}")
-    return float(sparsity)
-
-
-def fake_quant_groups(w: Tensor, bits: int, group: int, sym: bool = False) -> Tensor:
-    """Round-to-nearest quantise-dequantise of w [out, in] in groups of `group` input columns.
-
-    asym: s = (max − min)/(2^b − 1), z = round(−min/s), q = clamp(round(w/s) + z, 0, 2^b − 1), ŵ = (q − z)·s;
-    sym: s = max|w|/(2^(b−1) − 1), q = clamp(round(w/s), −2^(b−1), 2^(b−1) − 1), ŵ = q·s."""
-    bits = check_bits(bits)
-    if w.ndim != 2:
-        raise ValueError(f"w: expected a weight matrix [out, in], got shape {tuple(w.shape)}")
-    if not isinstance(group, (int, np.integer)) or group < 1 or w.shape[1] % group:
-        raise ValueError(f"group: expected a divisor of in_features={w.shape[1]}, got {group!r}")
-    g = w.reshape(w.shape[0], -1, group)
-    if sym:
-        qmax = 2 ** (bits - 1) - 1
-        s = (g.abs().amax(-1, keepdim=True) / qmax).clamp_min(1e-12)
-        return (torch.clamp(torch.round(g / s), -qmax - 1, qmax) * s).reshape_as(w)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    s = ((hi - lo) / (2 ** bits - 1)).clamp_min(1e-12)
-    z = torch.round(-lo / s)
-    q = torch.clamp(torch.round(g / s) + z, 0, 2 ** bits - 1)
-    return ((q - z) * s).reshape_as(w)
-
-
-fake_quant_compiled = compile_fn(fake_quant_groups, dynamic=True)
-
-
-def quantize_rtn(model: torch.nn.Module, bits: int, group: int = 64, sym: bool = False) -> torch.nn.Module:
-    """A copy whose body Linears hold RTN group-quantised weights (stored de-quantised: weight-only fake quant)."""
-    check_bits(bits)
-    q = copy.deepcopy(model)
-    with torch.no_grad():
-        for _, lin in _body_linears(q):
-            lin.weight.copy_(fake_quant_groups(lin.weight, bits, group, sym))
-    return q.eval()
-
-# %% ../../nbs/evaluation/brain_alignment.ipynb #6e8015fc
-@torch.no_grad()
-def input_stats(model: torch.nn.Module, calib_ids: Tensor, hessian: bool = False) -> dict[str, Tensor]:
-    """Per body Linear: the squared input norms Σ_t x_tj² [in] (Wanda) or, with hessian=True, XᵀX [in, in] (GPTQ),
-    accumulated over calibration ids [n, T] in one pass of the unmodified model."""
-    if not isinstance(calib_ids, Tensor) or calib_ids.ndim != 2 or calib_ids.numel() == 0:
-        raise ValueError(f"calib_ids: expected token ids [n, T], got {getattr(calib_ids, 'shape', calib_ids)!r}")
-    stats, hooks = {}, []
-    for name, lin in _body_linears(model):
-        def hook(mod, inp, out, name=name):
-            x = inp[0].reshape(-1, inp[0].shape[-1]).double()
-            add = x.T @ x if hessian else (x * x).sum(0)
-            stats[name] = stats.get(name, 0) + add
-        hooks.append(lin.register_forward_hook(hook))
-    try:
-        for row in calib_ids:
-            model.model(row[None].to(next(model.parameters()).device))
-    finally:
-        for h in hooks:
-            h.remove()
-    return stats
-
-
-def prune_magnitude(model: torch.nn.Module, sparsity: float) -> torch.nn.Module:
-    """A copy with the `sparsity` fraction of smallest-|w| weights of every body Linear set to 0 (per matrix)."""
-    sp = check_sparsity(sparsity)
-    q = copy.deepcopy(model)
-    with torch.no_grad():
-        for _, lin in _body_linears(q):
-            k = int(sp * lin.weight.numel())
-            if k:
-                idx = lin.weight.abs().flatten().argsort()[:k]       # stable order: deterministic
-                lin.weight.view(-1)[idx] = 0
-    return q.eval()
-
-
-def wanda_mask(w: Tensor, sq_norm: Tensor, sparsity: float, n_m: tuple[int, int] | None = None) -> Tensor:
-    """Keep-mask of Wanda: score |W_ij|·‖X_j‖₂, prune the lowest `sparsity` per output row, or with n_m = (n, m) keep
-    the n highest of every m consecutive inputs."""
-    score = w.abs() * sq_norm.to(w.dtype).sqrt()[None, :]
-    if n_m is not None:
-        n, m = n_m
-        if not (0 < n < m) or w.shape[1] % m:
-            raise ValueError(f"n_m: expected (n, m) with 0 < n < m and m dividing {w.shape[1]}, got {n_m!r}")
-        g = score.reshape(w.shape[0], -1, m)
-        drop = g.argsort(dim=-1, stable=True)[..., : m - n]
-        mask = torch.ones_like(g, dtype=torch.bool).scatter_(-1, drop, False)
-        return mask.reshape_as(w)
-    sp = check_sparsity(sparsity)
-    k = int(sp * w.shape[1])
-    mask = torch.ones_like(w, dtype=torch.bool)
-    if k:
-        mask.scatter_(1, score.argsort(dim=1, stable=True)[:, :k], False)
-    return mask
-
-
-def prune_wanda(model: torch.nn.Module, calib_ids: Tensor, sparsity: float = 0.5,
-                n_m: tuple[int, int] | None = None, stats: dict | None = None) -> torch.nn.Module:
-    """A copy pruned by Wanda (activation norms from one pass of the unpruned model over `calib_ids`)."""
-    stats = stats if stats is not None else input_stats(model, calib_ids)
-    q = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, lin in _body_linears(q):
-            lin.weight.mul_(wanda_mask(lin.weight, stats[name], sparsity, n_m))
-    return q.eval()
-
-# %% ../../nbs/evaluation/brain_alignment.ipynb #ff9f3799
-def gptq_matrix(w: Tensor, H: Tensor, bits: int, group: int, damp: float = 0.01, block: int = 64) -> Tensor:
-    """GPTQ (Frantar et al.) on one weight [out, in] with Hessian H = 2XᵀX [in, in]: columns in order, each rounded
-    (asymmetric RTN, group scales from the current weights) and its error spread over the later columns through the
-    upper Cholesky factor of H⁻¹; lazy batch updates of `block` columns; `damp`·mean(diag H) damping."""
-    W = w.double().clone()
-    H = H.double().clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
-    H += damp * torch.mean(torch.diag(H)) * torch.eye(len(H), dtype=H.dtype)
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    Q = torch.zeros_like(W)
-    qmax = 2 ** bits - 1
-    for i1 in range(0, W.shape[1], block):
-        i2 = min(i1 + block, W.shape[1])
-        W1, Q1, E1, Hi = W[:, i1:i2].clone(), torch.zeros_like(W[:, i1:i2]), torch.zeros_like(W[:, i1:i2]), Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            col = i1 + i
-            if col % group == 0:
-                g = W[:, col:col + group]     # as the reference code: W with the earlier blocks' lazy updates
-                lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
-                s = ((hi - lo) / qmax).clamp_min(1e-12)
-                z = torch.round(-lo / s)
-            x = W1[:, i:i + 1]
-            q = (torch.clamp(torch.round(x / s) + z, 0, qmax) - z) * s
-            Q1[:, i:i + 1] = q
-            err = (x - q) / Hi[i, i]
-            W1[:, i:] -= err @ Hi[i:i + 1, i:]
-            E1[:, i:i + 1] = err
-        Q[:, i1:i2] = Q1
-        W[:, i2:] -= E1 @ Hinv[i1:i2, i2:]
-    return Q.to(w.dtype)
-
-
-def gptq_quantize(model: torch.nn.Module, calib_ids: Tensor, bits: int = 4, group: int = 64,
-                  stats: dict | None = None) -> torch.nn.Module:
-    """A copy whose body Linears are GPTQ-quantised (Hessians from one pass of the unquantised model: not sequential)."""
-    check_bits(bits)
-    stats = stats if stats is not None else input_stats(model, calib_ids, hessian=True)
-    q = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, lin in _body_linears(q):
-            if lin.weight.shape[1] % group:
-                raise ValueError(f"group: expected a divisor of in_features={lin.weight.shape[1]} ({name}), got {group}")
-            lin.weight.copy_(gptq_matrix(lin.weight, 2 * stats[name], bits, group))
-    return q.eval()
 
 # %% ../../nbs/evaluation/brain_alignment.ipynb #a9ab9918
 def word_token_ids(tok: Any, words: Sequence[str]) -> tuple[list[int], np.ndarray]:

@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from kimi_papers.evaluation.brain_alignment import (
-    ROIS, SEMANTIC_ROIS, _body_linears, gptq_quantize, lanczos_downsample, make_delays, noise_ceiling, pearson_columns,
+    ROIS, SEMANTIC_ROIS, gptq_quantize, lanczos_downsample, make_delays, noise_ceiling, pearson_columns,
     prune_magnitude, prune_wanda, quantize_int8, quantize_rtn, ridge_cv_himalaya, roi_alignment, word_features,
     word_token_ids, zscore_train)
+from .brain_alignment_compress import _body_linears
 
 # %% ../../nbs/evaluation/brain_alignment.ipynb #d5345d2f
 def shuffle_weights(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
