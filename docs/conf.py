@@ -52,7 +52,9 @@ myst_dmath_double_inline = True
 # myst's default rewrites MathJax's config for MathJax 3 and breaks MathJax 2
 myst_update_mathjax = False
 # notebooks by many authors skip heading levels; that is style, not a broken page
-suppress_warnings = ["myst.header", "misc.highlighting_failure"]
+# ref.python: two papers may each define a class of the same short name (sage.Trace, spec_md_traces.Trace); the
+# ambiguous cross-reference of a type hint is not an error in either page
+suppress_warnings = ["myst.header", "misc.highlighting_failure", "ref.python"]
 
 # MathJax 2.7 served locally; the trimmed build has no default config, so name the full one
 mathjax_path = "mathjax/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe"
