@@ -2281,6 +2281,7 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                         'kimi_papers.core.sweep.check_points': ( 'core/sweep.html#check_points',
                                                                                  'kimi_papers/core/sweep.py'),
                                         'kimi_papers.core.sweep.dask_client': ('core/sweep.html#dask_client', 'kimi_papers/core/sweep.py'),
+                                        'kimi_papers.core.sweep.finished': ('core/sweep.html#finished', 'kimi_papers/core/sweep.py'),
                                         'kimi_papers.core.sweep.grid_points': ('core/sweep.html#grid_points', 'kimi_papers/core/sweep.py'),
                                         'kimi_papers.core.sweep.merge_seed_results': ( 'core/sweep.html#merge_seed_results',
                                                                                        'kimi_papers/core/sweep.py'),

@@ -184,10 +184,9 @@ def _dispatch(books: Sequence[Workbook], outs: dict[str, Path], owns: dict[str, 
 
     SIGINT/SIGTERM: every worker stops its notebooks (`stop_runs`), the tasks that were running or queued report
     'interrupted' / 'not started' within seconds, the rest are cancelled; a second signal kills without grace."""
-    from distributed import as_completed
     from tqdm import tqdm
 
-    from kimi_papers.core.sweep import dask_client, resume_runs, run_book, stop_runs
+    from kimi_papers.core.sweep import dask_client, finished, resume_runs, run_book, stop_runs
     scheduler = scheduler or settings().get("run", "scheduler") or None
     ship = bool(scheduler) or cluster != "local"  # no shared file system beyond the LocalCluster this call starts
     budget = settings().budget_s(profile)
@@ -211,18 +210,11 @@ def _dispatch(books: Sequence[Workbook], outs: dict[str, Path], owns: dict[str, 
                                   key=f"run-{b.slug}-{os.getpid()}-{time.time_ns()}"): b for b in books}
             bar = tqdm(total=len(books), desc=f"kimi-papers run ({profile})", unit="nb", disable=not progress)
             try:
-                pending = as_completed(list(futs))
-                while not pending.is_empty():
-                    batch = pending.next_batch(block=False)  # polled: a signal is seen within 0.2 s
-                    if caught:
-                        raise KeyboardInterrupt
-                    if not batch:
-                        time.sleep(0.2)
-                    for fut in batch:
-                        b = futs[fut]
-                        r = got[b.slug] = _landed(fut, b, outs[b.slug], owns[b.slug], budget)
-                        bar.set_postfix_str(f"{r.slug} {r.status} {r.seconds:.0f}s")
-                        bar.update()
+                for fut in finished(futs, caught):
+                    b = futs[fut]
+                    r = got[b.slug] = _landed(fut, b, outs[b.slug], owns[b.slug], budget)
+                    bar.set_postfix_str(f"{r.slug} {r.status} {r.seconds:.0f}s")
+                    bar.update()
             except KeyboardInterrupt:
                 caught[:] = caught or [signal.SIGINT]
                 client.run(stop_runs, caught[0])

@@ -31,7 +31,7 @@ from .runner import RunResult, Stopper, Workbook, check_params, run_notebook
 # %% auto #0
 __all__ = ['grid_points', 'check_points', 'PointResult', 'run_point', 'stop_kernels', 'run_book', 'stop_runs', 'resume_runs',
            'KernelReaper', 'point_rows', 'sweep_table', 'sweep_figure', 'write_sweep', 'SweepInterrupted',
-           'dask_client', 'seed_chunks', 'merge_seed_results', 'run_sweep']
+           'dask_client', 'finished', 'seed_chunks', 'merge_seed_results', 'run_sweep']
 
 # %% ../../nbs/core/sweep.ipynb #5ca911fc
 def grid_points(grid: Mapping[str, Sequence[Any]], fixed: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -280,6 +280,21 @@ def dask_client(jobs: int, scheduler: str | None = None, cluster: str = "local")
             if own is not None:
                 own.close()
 
+
+def finished(futures: Any, caught: list) -> Iterator[Any]:
+    """`futures` as they finish, polled every 0.2 s: once a signal is recorded in `caught`, raise KeyboardInterrupt
+    (a library that swallowed the handler's raise cannot keep the client waiting)."""
+    from distributed import as_completed
+    pending = as_completed(list(futures))
+    while not pending.is_empty():
+        batch = pending.next_batch(block=False)
+        if caught:
+            raise KeyboardInterrupt
+        if not batch:
+            time.sleep(0.2)
+        yield from batch
+
+
 # %% ../../nbs/core/sweep.ipynb #77c707bd
 def seed_chunks(seeds: Sequence[int], parts: int) -> list[list[int]]:
     """`seeds` in `parts` contiguous, near-equal chunks (order kept; no empty chunk)."""
@@ -386,7 +401,6 @@ def run_sweep(book: Workbook, grid: Mapping[str, Sequence[Any]], fixed: Mapping[
     on different workers and merges them (the ledger recomputes each interval from all samples). A failed point is
     reported, not raised; a task whose worker dies is retried once. SIGINT/SIGTERM cancel the tasks, stop their
     kernels, write what finished and raise `SweepInterrupted`."""
-    from distributed import as_completed
     from tqdm import tqdm
     profile = check_profile(profile)
     points = grid_points(grid, fixed) if grid else [dict(fixed or {})]
@@ -427,31 +441,24 @@ def run_sweep(book: Workbook, grid: Mapping[str, Sequence[Any]], fixed: Mapping[
             bar = tqdm(total=len(points), desc=f"kimi-papers sweep {book.slug} ({profile})", unit="point",
                        disable=not progress)
             try:
-                pending = as_completed(list(futs))
-                while not pending.is_empty():
-                    batch = pending.next_batch(block=False)  # polled: a signal is seen within 0.2 s
-                    if caught:
-                        raise KeyboardInterrupt
-                    if not batch:
-                        time.sleep(0.2)
-                    for fut in batch:
-                        i, k, prm = futs[fut]
-                        try:
-                            r = fut.result()
-                        except Exception as e:  # KilledWorker after the retry, or a worker-side error
-                            r = PointResult(i, prm, False, "failed", 0.0, f"{type(e).__name__}: {e}"[:500])
-                        got.setdefault(i, {})[k] = r
-                        if len(got[i]) < n_chunks[i]:
-                            continue
-                        parts = [got[i][kk] for kk in sorted(got[i])]
-                        r = parts[0] if len(parts) == 1 and split_seeds is None else _merge_chunks(i, points[i], parts, profile)
-                        here = run_dir / "points" / f"{i:03d}"
-                        for kk, part in enumerate(parts if split_seeds is not None else []):
-                            _save_point(here / "chunks" / f"{kk}", part, book.slug)
-                        _save_point(here, r, book.slug)
-                        done.append(r)
-                        bar.set_postfix_str(f"point {i} {r.status}")
-                        bar.update()
+                for fut in finished(futs, caught):
+                    i, k, prm = futs[fut]
+                    try:
+                        r = fut.result()
+                    except Exception as e:  # KilledWorker after the retry, or a worker-side error
+                        r = PointResult(i, prm, False, "failed", 0.0, f"{type(e).__name__}: {e}"[:500])
+                    got.setdefault(i, {})[k] = r
+                    if len(got[i]) < n_chunks[i]:
+                        continue
+                    parts = [got[i][kk] for kk in sorted(got[i])]
+                    r = parts[0] if len(parts) == 1 and split_seeds is None else _merge_chunks(i, points[i], parts, profile)
+                    here = run_dir / "points" / f"{i:03d}"
+                    for kk, part in enumerate(parts if split_seeds is not None else []):
+                        _save_point(here / "chunks" / f"{kk}", part, book.slug)
+                    _save_point(here, r, book.slug)
+                    done.append(r)
+                    bar.set_postfix_str(f"point {i} {r.status}")
+                    bar.update()
             except KeyboardInterrupt:
                 signum = signal.SIGINT
                 client.cancel(list(futs), force=True)
