@@ -2868,6 +2868,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                      'kimi_papers/evaluation/brain_alignment.py'),
                                                         'kimi_papers.evaluation.brain_alignment._fold_scores_fused': ( 'evaluation/brain_alignment.html#_fold_scores_fused',
                                                                                                                        'kimi_papers/evaluation/brain_alignment.py'),
+                                                        'kimi_papers.evaluation.brain_alignment._ridge_inputs': ( 'evaluation/brain_alignment.html#_ridge_inputs',
+                                                                                                                  'kimi_papers/evaluation/brain_alignment.py'),
                                                         'kimi_papers.evaluation.brain_alignment.check_alphas': ( 'evaluation/brain_alignment.html#check_alphas',
                                                                                                                  'kimi_papers/evaluation/brain_alignment.py'),
                                                         'kimi_papers.evaluation.brain_alignment.fold_scores_reference': ( 'evaluation/brain_alignment.html#fold_scores_reference',
