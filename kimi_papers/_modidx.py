@@ -4155,6 +4155,8 @@ d = { 'settings': {'branch': 'main', 'doc_baseurl': '/', 'doc_host': '', 'git_ur
                                                                                                                              'kimi_papers/safety/concept_vectors_experiment.py'),
                                                                'kimi_papers.safety.concept_vectors_experiment.split_digits': ( 'safety/concept_vectors.html#split_digits',
                                                                                                                                'kimi_papers/safety/concept_vectors_experiment.py'),
+                                                               'kimi_papers.safety.concept_vectors_experiment.thm2_errors': ( 'safety/concept_vectors.html#thm2_errors',
+                                                                                                                              'kimi_papers/safety/concept_vectors_experiment.py'),
                                                                'kimi_papers.safety.concept_vectors_experiment.tune': ( 'safety/concept_vectors.html#tune',
                                                                                                                        'kimi_papers/safety/concept_vectors_experiment.py')},
             'kimi_papers.safety.rapid_poison': { 'kimi_papers.safety.rapid_poison.Concept': ( 'safety/rapid_poison.html#concept',
