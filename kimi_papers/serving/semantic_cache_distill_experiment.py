@@ -305,7 +305,6 @@ def consumer_probe(pair: Pair, perturbed: Pair | None, seeds: Sequence[int], n_p
     `kl_bp` = KL(B || B') of their own-prefill next-token distributions over the continuation."""
     A, B, text = pair.a, pair.b, pair.text
     dev = next(B.parameters()).device
-    own = lambda t: list(zip(t.keys, t.values))
     out = {}
     for s in seeds:
         r = {k: [] for k in ("kl_raw", "f1_b", "f1_a", "kl_raw_p", "kl_bp", "f1_bp")}
@@ -315,19 +314,19 @@ def consumer_probe(pair: Pair, perturbed: Pair | None, seeds: Sequence[int], n_p
             tail, T = torch.tensor([[p_ids[-1]] + c_ids[:-1]], device=dev), len(p_ids) - 1
             ta, tb = capture(A, ctx), capture(B, ctx)
             raw = raw_kv_transfer(ta)
-            ref = consumer_logits(B, own(tb), tail, T)
+            ref = consumer_logits(B, _oracle_layers(tb), tail, T)
             f1 = lambda m, layers: answer_f1(text.decode(greedy_answer(m, layers, first, T, max_new, text.newline_ids)),
                                              item.answer)
             r["kl_raw"].append(kl_per_token(ref, consumer_logits(B, raw, tail, T)).mean().item())
-            r["f1_b"].append(f1(B, own(tb)))
-            r["f1_a"].append(f1(A, own(ta)))
+            r["f1_b"].append(f1(B, _oracle_layers(tb)))
+            r["f1_a"].append(f1(A, _oracle_layers(ta)))
             if perturbed is not None:
                 Bp = perturbed.b
                 tp = capture(Bp, ctx)
-                ref_p = consumer_logits(Bp, own(tp), tail, T)
+                ref_p = consumer_logits(Bp, _oracle_layers(tp), tail, T)
                 r["kl_raw_p"].append(kl_per_token(ref_p, consumer_logits(Bp, raw, tail, T)).mean().item())
                 r["kl_bp"].append(kl_per_token(ref, ref_p).mean().item())
-                r["f1_bp"].append(f1(Bp, own(tp)))
+                r["f1_bp"].append(f1(Bp, _oracle_layers(tp)))
         out[int(s)] = {k: float(np.mean(v)) for k, v in r.items() if v}
     return out
 
