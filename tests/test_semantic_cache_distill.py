@@ -330,3 +330,35 @@ def test_consumer_probe_on_a_twin_and_on_identical_models(models):
     assert same[0]["kl_raw"] < 1e-6 and "kl_bp" not in same[0]
     other = consumer_probe(Pair(a, b, byte_codec()), Pair(a, a, byte_codec()), [0], 1, n_cont=4, max_new=2)[0]
     assert other["kl_raw_p"] < 1e-6 and other["kl_bp"] > 1e-3     # a twin that is A: no misalignment, far from B
+
+
+def _candidate_verdict(row: dict) -> tuple[bool, bool]:
+    """(misaligned, stable) of a consumer-candidate row by the pre-registered rule: the 95% t-interval of the per-seed
+    raw-KV KL lies above 0.2, and every per-seed twin quantity is at most 0.1."""
+    from kimi_papers.core.ledger import Estimate
+    est = Estimate.t(row["raw_kv_kl_per_seed"])
+    stable = all(x <= 0.1 for x in row["twin_kl_rel_diff_per_seed"] + row["twin_kl_b_over_raw_per_seed"])
+    return bool(est.low > 0.2), stable
+
+
+def test_consumer_candidates_fixture_follows_its_rule():
+    """The confirmatory row of consumer_candidates.json: its flags follow from its own per-seed numbers under the rule
+    written before the probe (fresh seeds 103-107, never an evaluation or earlier probe seed), and it is the only row
+    marked chosen."""
+    import json
+    from kimi_papers.core.config import project_root
+    fx = json.loads((project_root() / "data" / "fixtures" / "semantic_cache_distill" / "consumer_candidates.json").read_text())
+    assert "confirmatory_rule" in fx
+    rows = fx["candidates"]
+    chosen = [r for r in rows if r["chosen"]]
+    assert len(chosen) == 1, [r["recipe"] for r in chosen]
+    row = chosen[0]
+    assert row["probe_seeds"] == [103, 104, 105, 106, 107] and len(row["raw_kv_kl_per_seed"]) == 5
+    assert not set(row["probe_seeds"]) & {0, 1, 2, 100, 101, 102}
+    misaligned, stable = _candidate_verdict(row)
+    assert (misaligned, stable) == (row["misaligned"], row["stable"]) == (True, True)
+    from kimi_papers.core.ledger import Estimate
+    assert abs(Estimate.t(row["raw_kv_kl_per_seed"]).low - row["raw_kv_kl_t_low"]) < 1e-3
+    # the rule rejects a row whose interval reaches below 0.2 or whose twin drifts by more than 10% on one seed
+    assert _candidate_verdict({**row, "raw_kv_kl_per_seed": [0.2306, 0.2289, 0.3417]})[0] is False
+    assert _candidate_verdict({**row, "twin_kl_b_over_raw_per_seed": [0.0, 0.0, 0.11, 0.0, 0.0]})[1] is False
