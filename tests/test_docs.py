@@ -387,21 +387,33 @@ def _paper_pages(site: Path) -> list:
                   for p in (site / folder).glob("*.html") if p.name != "index.html")
 
 
-@pytest.mark.browser
-def test_paper_pages_draw_every_figure_once_with_no_legend_over_a_title(site):
-    """Every paper page served over http: each plotly figure drawn, no legend box over a title or an annotation, math
-    typeset, and no request failing (no missing font, script or image)."""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip("needs playwright (pip)")
-    if CHROMIUM is None:
-        pytest.skip("needs chromium")
+# The paper pages are checked in PAGE_BATCHES interleaved batches (pages[b::PAGE_BATCHES]), so pytest-xdist can spread
+# the browser work over its workers; together the batches visit every paper page exactly once.
+PAGE_BATCHES = 4
+
+# Settled: MathJax has nothing queued, and the figures' draw state and the legend / title boxes read the same in two
+# consecutive polls (plotly finishes automargin redraws asynchronously after `load`).
+JS_SETTLED = """() => {
+  if (window.MathJax && MathJax.Hub && MathJax.Hub.queue.pending !== 0) return false;
+  const r = e => { const b = e.getBoundingClientRect(); return [b.left, b.top, b.right, b.bottom].map(Math.round).join(","); };
+  const sig = document.querySelectorAll('.js-plotly-plot').length + "|" + document.querySelectorAll('span.MathJax').length + "|" +
+    [...document.querySelectorAll('.js-plotly-plot .legend, .js-plotly-plot .g-gtitle text, .js-plotly-plot .infolayer .annotation-text')]
+      .map(r).join(";");
+  const same = window.__kimiLayoutSig === sig;
+  window.__kimiLayoutSig = sig;
+  return same;
+}"""
+
+
+def _check_paper_pages(site: Path, pages: list[Path]) -> list[str]:
+    """Problems found on `pages` (served over http from `site`) in one headless Chromium tab that navigates from page to
+    page (the renderer and the HTTP cache are reused; every page is a fresh document)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    from playwright.sync_api import sync_playwright
     import functools
     import http.server
     import threading
+
     class Quiet(http.server.SimpleHTTPRequestHandler):
         def log_message(self, *args) -> None:  # no access log on stderr
             pass
@@ -409,31 +421,57 @@ def test_paper_pages_draw_every_figure_once_with_no_legend_over_a_title(site):
     handler = functools.partial(Quiet, directory=str(site))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    pages, problems = _paper_pages(site), []
-    assert len(pages) >= 28, pages
+    # each request is tagged with the page (index) that issued it, so a request of page i that fails or is cut off
+    # after its checks (when the tab moves on) is never blamed on page i + 1
+    problems, failed, born, now = [], [], {}, [0]
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
-            for page_path in pages:
+            page = browser.new_page(viewport={"width": 1300, "height": 900})
+            page.on("request", lambda r: born.__setitem__(r, now[0]))
+            page.on("requestfailed", lambda r: failed.append((born.get(r, now[0]), r.url)))
+            page.on("response", lambda r: failed.append((born.get(r.request, now[0]), f"{r.status} {r.url}"))
+                    if r.status >= 400 else None)
+            for i, page_path in enumerate(pages):
                 rel = page_path.relative_to(site).as_posix()
-                page = browser.new_page(viewport={"width": 1300, "height": 900})
-                failed = []
-                page.on("requestfailed", lambda r: failed.append(r.url))
-                page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+                now[0] = i
                 page.goto(f"http://127.0.0.1:{server.server_port}/{rel}", wait_until="load")
                 page.wait_for_function("() => !window.MathJax || !MathJax.Hub || MathJax.Hub.queue.pending === 0",
                                        timeout=60_000)
-                page.wait_for_timeout(300)
+                try:  # a page that never settles (a figure that is never drawn) is reported by the checks below
+                    page.wait_for_function(JS_SETTLED, polling=100, timeout=10_000)
+                except PlaywrightTimeout:
+                    pass
                 s = page.evaluate(JS_LAYOUT)
-                failed = [f for f in failed if not f.endswith("favicon.ico")]
+                bad = [f for at, f in failed if at == i and not f.endswith("favicon.ico")]
                 if s["drawn"] != s["divs"]:
                     problems.append(f"{rel}: {s['drawn']} of {s['divs']} figures drawn")
                 problems += [f"{rel}: {o}" for o in s["overlaps"]]
                 if s["math"] and not s["typeset"]:
                     problems.append(f"{rel}: math not typeset")
-                problems += [f"{rel}: request failed {f}" for f in failed]
-                page.close()
+                problems += [f"{rel}: request failed {f}" for f in bad]
             browser.close()
     finally:
         server.shutdown()
+    return problems
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("batch", range(PAGE_BATCHES), ids=[f"batch{b}" for b in range(PAGE_BATCHES)])
+def test_paper_pages_draw_every_figure_once_with_no_legend_over_a_title(site, batch):
+    """Every paper page served over http: each plotly figure drawn, no legend box over a title or an annotation, math
+    typeset, and no request failing (no missing font, script or image)."""
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("needs playwright (pip)")
+    if CHROMIUM is None:
+        pytest.skip("needs chromium")
+    pages = _paper_pages(site)
+    assert len(pages) >= 28, pages
+    mine = pages[batch::PAGE_BATCHES]
+    assert mine, (batch, len(pages))
+    problems = _check_paper_pages(site, mine)
     assert not problems, "\n".join(problems)
