@@ -186,7 +186,12 @@ def newton_semidual(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float, tol:
             break
         ridge = 1e-10 * H.diagonal(dim1=-2, dim2=-1).amax(-1).clamp(min=1e-30)  # columns the plan barely reaches
         M = H + rank1 + torch.diag_embed(pad.double() + ridge[:, None].expand_as(g))
-        d = torch.linalg.solve(M, grad.unsqueeze(-1)).squeeze(-1)
+        d, info = torch.linalg.solve_ex(M, grad.unsqueeze(-1))
+        bad = info != 0  # a numerically singular system (e.g. many coinciding points): the pseudo-inverse step there
+        if bool(bad.any()):
+            d = torch.where(bad[:, None, None], torch.linalg.pinv(torch.where(bad[:, None, None], M, torch.eye(
+                M.shape[-1], dtype=M.dtype, device=M.device)), hermitian=True) @ grad.unsqueeze(-1), d)
+        d = d.squeeze(-1)
         d = torch.where(pad | done[:, None], torch.zeros_like(d), d)
         slope, t = (grad * d).sum(-1), (2 * t_prev).clamp(max=1.0)  # start from twice the last accepted step
         for _ in range(50):
