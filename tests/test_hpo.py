@@ -416,3 +416,32 @@ def test_newton_semidual_pseudo_inverse_step_on_a_singular_system(monkeypatch):
     f, gg, _ = newton_semidual(C, a, b, g0, 0.05, tol=1e-9)
     assert calls and torch.isfinite(f).all()
     assert torch.allclose(f, f_ref, atol=1e-8) and torch.allclose(gg - gg.mean(-1, keepdim=True), g_ref - g_ref.mean(-1, keepdim=True), atol=1e-8)
+
+
+def test_newton_fallback_keeps_the_start_of_a_stalled_problem_and_counts_it():
+    """fallback=True: a problem that misses tol after max_iter keeps its start potential g0 (f its c-transform) and is
+    counted in NEWTON_FALLBACKS; without it the same call raises."""
+    from kimi_papers.rl import hpo as H
+    g = _gen(12)
+    X, Y = torch.rand(2, 10, 2, generator=g, dtype=torch.float64), torch.rand(2, 5, 2, generator=g, dtype=torch.float64)
+    C = pairwise_cost(X, Y)
+    a, b = torch.full((2, 10), 0.1, dtype=torch.float64), torch.full((2, 5), 0.2, dtype=torch.float64)
+    g0 = torch.randn(2, 5, generator=g, dtype=torch.float64) * 0.01
+    before = H.NEWTON_FALLBACKS[0]
+    f, gg, it = newton_semidual(C, a, b, g0, 0.01, 1e-12, max_iter=1, fallback=True)
+    assert H.NEWTON_FALLBACKS[0] - before == 2 and it == 1 and torch.equal(gg, g0)
+    f_ref = -0.01 * torch.logsumexp(b.log()[:, None, :] + (g0[:, None, :] - C) / 0.01, -1)
+    assert torch.allclose(f, f_ref, atol=1e-12)
+    with pytest.raises(ValueError, match="Newton steps"):
+        newton_semidual(C, a, b, g0, 0.01, 1e-12, max_iter=1)
+
+
+def test_sinkhorn_potentials_survive_a_stalled_newton_solve():
+    """An unreachable tol (1e-300) stalls every Newton solve: sinkhorn_potentials keeps the schedule potentials, counts
+    the stalls and does not stop the training run."""
+    from kimi_papers.rl import hpo as H
+    g = _gen(13)
+    x, y = torch.rand(2, 8, 2, generator=g, dtype=torch.float64), torch.rand(2, 4, 2, generator=g, dtype=torch.float64)
+    before = H.NEWTON_FALLBACKS[0]
+    f, gg = sinkhorn_potentials(x, y, eps=0.05, n_iter=None, tol=1e-300)
+    assert H.NEWTON_FALLBACKS[0] > before and torch.isfinite(f).all() and torch.isfinite(gg).all()

@@ -17,10 +17,10 @@ from ..core.kernels import compile_fn
 from ..core.rl import RolloutBatch, grpo_advantage, register_advantage
 
 # %% auto #0
-__all__ = ['softmin_compiled', 'FORMS', 'IntentEncoder', 'MiniLMIntents', 'OneHotIntents', 'RandomIntents', 'step_text',
-           'embed_steps', 'step_table', 'softmin', 'marginal_error', 'newton_semidual', 'sinkhorn_potentials',
-           'pairwise_cost', 'identity_cost', 'transport_plan', 'hpo_step_weights', 'hpo_advantages', 'coef_schedule',
-           'hpo_advantage']
+__all__ = ['softmin_compiled', 'NEWTON_FALLBACKS', 'FORMS', 'IntentEncoder', 'MiniLMIntents', 'OneHotIntents', 'RandomIntents',
+           'step_text', 'embed_steps', 'step_table', 'softmin', 'marginal_error', 'newton_semidual',
+           'sinkhorn_potentials', 'pairwise_cost', 'identity_cost', 'transport_plan', 'hpo_step_weights',
+           'hpo_advantages', 'coef_schedule', 'hpo_advantage']
 
 # %% ../../nbs/rl/hpo.ipynb #84648056
 class IntentEncoder:
@@ -165,13 +165,17 @@ def marginal_error(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float) -> Te
     return (grad.abs() / b.clamp(min=1e-300)).masked_fill(b <= 0, 0.0).amax(-1)
 
 
+NEWTON_FALLBACKS = [0]  # problems whose Newton solve stalled and kept their start (fallback=True); the notebook reports it
+
+
 def newton_semidual(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float, tol: float = 1e-6,
-                    max_iter: int = 200) -> tuple[Tensor, Tensor, int]:
+                    max_iter: int = 200, fallback: bool = False) -> tuple[Tensor, Tensor, int]:
     """Solve the entropic OT semi-dual to `tol` (relative column-marginal error) by damped Newton from g [B, m].
 
     float64 throughout; Armijo backtracking keeps every step an ascent step. Returns (f [B, n], g [B, m], iterations);
     raises when `max_iter` steps do not reach `tol`."""
     C, a, b, g = C.double(), a.double(), b.double(), g.double()
+    g_start = g
     pad = b <= 0
     g = torch.where(pad, torch.zeros_like(g), g)
     rank1 = b[:, :, None] * b[:, None, :]  # removes the constant-shift null direction of the Hessian
@@ -200,6 +204,10 @@ def newton_semidual(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float, tol:
                 break
             t = torch.where(ok | done, t, 0.5 * t)
         g, t_prev = g + t[:, None] * d, torch.where(done, t_prev, t)
+    if fallback:  # the stalled problems keep their start potentials (counted in NEWTON_FALLBACKS); the rest are solved
+        g = torch.where(done[:, None], g, torch.where(pad, torch.zeros_like(g_start), g_start))
+        NEWTON_FALLBACKS[0] += int((~done).sum())
+        return _semidual(C, a, b, g, eps, hessian=False)[3], g, max_iter
     raise ValueError(f"newton_semidual: marginal error {float(err.max()):.3g} > tol={tol} after {max_iter} Newton steps; "
                      "raise tol, max_iter or eps")
 
@@ -252,7 +260,7 @@ def sinkhorn_potentials(x: Tensor, y: Tensor, a: Tensor | None = None, b: Tensor
     e = torch.full_like(e0, eps)
     f, g = kernel(e, C, lb + g / eps), kernel(e, Ct, la + f / eps)
     if tol is not None and torch.isfinite(g).all():
-        f64, g64, _ = newton_semidual(C, a, b, g, eps, tol)
+        f64, g64, _ = newton_semidual(C, a, b, g, eps, tol, fallback=True)
         f, g = f64.to(x.dtype), g64.to(x.dtype)
     f, g = torch.where(a > 0, f, torch.zeros_like(f)), torch.where(b > 0, g, torch.zeros_like(g))
     if not (torch.isfinite(f).all() and torch.isfinite(g).all()):
