@@ -315,8 +315,9 @@ TUNE_GRID = (3e-4, 1e-3, 3e-3)  # Adam learning rates every tuned arm tries firs
 
 def tune_lr(score: Callable[[float], float], grid: Sequence[float] = TUNE_GRID, factor: float = 3.0,
             max_extend: int = 2) -> tuple[float, list[dict]]:
-    """The learning rate with the highest `score(lr)` (ties: the smaller lr) on `grid`; while the best one is at an
-    edge of the lrs tried, one more lr `factor` beyond that edge is tried, at most `max_extend` times.
+    """The learning rate with the highest `score(lr)` on `grid` (ties: the smaller lr of the grid; an extension wins only
+    by a strictly higher score); while the best one is at an edge of the lrs tried, one more lr `factor` beyond that
+    edge is tried, at most `max_extend` times.
 
     Returns (best lr, one row per lr tried in order of trial: lr, score, round (0 = the grid, k = the k-th extension),
     chosen, at_edge (the best is still at an edge after the last extension))."""
@@ -337,7 +338,7 @@ def tune_lr(score: Callable[[float], float], grid: Sequence[float] = TUNE_GRID, 
     for lr in sorted(set(vals)):
         trial(lr, 0)
     for rnd in range(max_extend + 1):
-        best = max(rows, key=lambda r: (r["score"], -r["lr"]))["lr"]
+        best = max(rows, key=lambda r: (r["score"], -r["round"], -r["lr"]))["lr"]  # earlier rounds win ties
         lo, hi = min(r["lr"] for r in rows), max(r["lr"] for r in rows)
         edge = best == hi or best == lo
         if not edge or rnd == max_extend:
