@@ -191,3 +191,80 @@ def test_harness_helpers():
     assert not torch.allclose(r.E, cv.E)
     best, res = tune([1.0, 2.0], lambda v: v)
     assert best == 6.0 and set(res) == {1.0, 2.0, 6.0}
+
+
+def test_head_mask_applied_where_the_vector_is_added(dit, batch):
+    """With W_O = I the attention module output is the concatenation of the head outputs: the heads a selection leaves
+    out must equal the un-injected model's exactly, whatever E holds there; the selected ones move by exactly λ·E."""
+    import copy
+    _, _, p = batch
+    m = copy.deepcopy(dit)
+    for a in m.attn_modules():
+        with torch.no_grad():
+            a.to_out[0].weight.copy_(torch.eye(32)); a.to_out[0].bias.zero_()
+    full = m.new_concept(generator=torch.Generator().manual_seed(11)); full.E.data.normal_(0, 1.0)
+    sel = full.select({0: [1], 1: [0, 3]}, (0, 2))
+    sel.E.data.copy_(full.E)                     # E non-zero on every head (e.g. loaded weights): only the mask may restrict
+    h, ctx = torch.randn(3, 25, 32), m.net.caption_projection(m.embed(p[:3]))
+    for l, heads in ((0, [1]), (1, [0, 3])):
+        d = (attn_module_output(m, l, h, ctx, sel, 2.0) - attn_module_output(m, l, h, ctx, None)).view(3, 25, 4, 8)
+        for hh in range(4):
+            if hh in heads:
+                assert torch.allclose(d[:, :, hh], 2.0 * full.E[l, hh].expand(3, -1, -1), atol=1e-5)
+            else:
+                assert float(d[:, :, hh].abs().max()) == 0.0, (l, hh)
+    # the same on the whole model: a selection equals a hand-built vector that is zero off the selected heads
+    ref = dit.new_concept(); ref.E.data.zero_()
+    ref.E.data[0, 1], ref.E.data[1, 0], ref.E.data[1, 3] = full.E[0, 1], full.E[1, 0], full.E[1, 3]
+    sel_d = dit.new_concept(); sel_d.load_state_dict(sel.state_dict())
+    x, t, _ = batch
+    with torch.no_grad():
+        assert torch.allclose(dit(x, t, p, sel_d, 1.5), dit(x, t, p, ref, 1.5), atol=1e-6)
+    # a layer outside layer_range gets nothing even if listed in topk_heads
+    only1 = full.select({0: [0, 1, 2, 3], 1: [2]}, (1, 2))
+    assert float(only1.delta(0).abs().sum()) == 0.0 and only1.mask.sum() == 1
+
+
+def test_alignment_target_is_the_concept_prompt(dit):
+    """The training target is the frozen model on the concept prompt Φ (vectors off): at E = 0 the loss is zero only when
+    Γ = Φ, and the first step's loss equals ‖f(x_t, t, Γ; E₀) − f(x_t, t, Φ)‖² / numel computed by hand."""
+    imgs = np.random.default_rng(3).random((12, 10, 10))
+    neu, con = encode_prompt([(d, None, None) for d in range(10)]), encode_prompt([(d, "bold", None) for d in range(10)])
+    cfg = VectorConfig(steps=2, batch=6, lr=0.0, seed=4)
+    zero = lambda: (lambda v: (v.E.data.zero_(), v)[1])(dit.new_concept())
+    _, _, same = train_concept_vectors(dit, imgs, neu, neu, cfg, init=zero())
+    _, _, diff = train_concept_vectors(dit, imgs, neu, con, cfg, init=zero())
+    assert same == [0.0, 0.0] and min(diff) > 1e-6, (same, diff)
+    init = dit.new_concept(generator=torch.Generator().manual_seed(5))
+    _, _, got = train_concept_vectors(dit, imgs, neu, con, cfg, init=copy_vec(init))
+    g = torch.Generator().manual_seed(cfg.seed)             # the same draws as the trainer: batch, noise, timesteps
+    idx = torch.randint(12, (6,), generator=g)
+    x = torch.as_tensor(imgs, dtype=torch.float32)[idx][:, None] * 2 - 1
+    eps, tt = torch.randn(x.shape, generator=g), torch.randint(100, (6,), generator=g)
+    xt = make_scheduler(100).add_noise(x, eps, tt)
+    with torch.no_grad():
+        want = float(((dit(xt, tt, neu[idx % 10], init, 1.0) - dit(xt, tt, con[idx % 10])) ** 2).mean())
+        wrong = float(((dit(xt, tt, neu[idx % 10], init, 1.0) - dit(xt, tt, neu[idx % 10])) ** 2).mean())
+    assert abs(got[0] - want) < 1e-6 * max(1.0, want) and abs(want - wrong) > 1e-6, (got[0], want, wrong)
+
+
+def copy_vec(v):
+    import copy
+    return copy.deepcopy(v)
+
+
+def test_thm2_errors_scale(dit, batch):
+    """thm2_errors(λ) is linearity_errors on the λ-scaled pair: additivity at (1, 1), homogeneity of 2·λE₁; → 0 as λ → 0."""
+    from kimi_papers.safety.concept_vectors_experiment import thm2_errors
+    x, t, p = batch
+    g = torch.Generator().manual_seed(6)
+    v1, v2 = dit.new_concept(generator=g), dit.new_concept(generator=g)
+    v1.E.data.mul_(20); v2.E.data.mul_(20)
+    add, hom = thm2_errors(dit, [v1, v2], 2.0, x, t, p)
+    s1, s2 = ConceptVectors.combine([v1], [2.0]), ConceptVectors.combine([v2], [2.0])
+    assert add == linearity_errors(dit, [s1, s2], (1.0, 1.0), x, t, p)["model_additivity_rel"]
+    with torch.no_grad():
+        f0, f1, f2 = dit(x, t, p), dit(x, t, p, v1, 2.0), dit(x, t, p, v1, 4.0)
+    assert abs(hom - float((f2 - f0 - 2 * (f1 - f0)).norm() / (2 * (f1 - f0)).norm())) < 1e-5
+    small = thm2_errors(dit, [v1, v2], 1e-3, x, t, p)
+    assert max(small) < 0.01 < max(add, hom), (small, add, hom)

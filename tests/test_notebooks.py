@@ -47,3 +47,25 @@ def test_committed_notebooks_open_as_a_reader_expects():
     import sys
     r = subprocess.run([sys.executable, str(ROOT / "CI" / "normalize_notebooks.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout
+
+
+@pytest.mark.parametrize("book", [b for b in BOOKS if b.is_paper], ids=[b.slug for b in BOOKS if b.is_paper])
+def test_parameters_cell_parses_in_papermill(book, caplog):
+    """papermill reads every line of the parameters cell (a line it cannot parse is a warning under every run, and a
+    parameter it cannot see gets no type for `-p`)."""
+    import ast
+    import logging
+
+    import nbformat
+    from papermill.translators import PythonTranslator
+
+    cells = [c for c in nbformat.read(book.path, as_version=4).cells if "parameters" in c.metadata.get("tags", [])]
+    if not cells:
+        pytest.skip(f"{book.slug} has no parameters cell (a companion notebook)")
+    assert len(cells) == 1, f"{book.slug}: expected one cell tagged 'parameters', found {len(cells)}"
+    with caplog.at_level(logging.WARNING, logger="papermill"):
+        seen = {p.name for p in PythonTranslator.inspect(cells[0])}
+    assert not [r for r in caplog.records if r.name.startswith("papermill")], caplog.text
+    assigned = {t.id for node in ast.parse(cells[0].source).body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    assert assigned <= seen, f"{book.slug}: papermill does not see {sorted(assigned - seen)}"

@@ -271,3 +271,62 @@ def test_consumer_fingerprint_names_the_factors_and_the_fine_tune():
     assert factors_sha256({"l1.A": f["l0.A"], "l0.B": f["l0.B"]}) != h
     pair = Pair(nn.Identity(), nn.Identity(), None, {"lora_sha256": h, "loss_curve": [2.5, 1.25, 1.0000004]})
     assert consumer_fingerprint(pair) == {"lora_sha256": h, "loss_first": 2.5, "loss_last": 1.0}
+
+
+def _logistic(r: float, x0: float, n: int = 200) -> list[float]:
+    xs, x = [], x0
+    for _ in range(n):
+        x = r * x * (1.0 - x)
+        xs.append(x)
+    return xs[-10:]
+
+
+def test_nudge_ulps_moves_by_exactly_n_floats():
+    from kimi_papers.serving.semantic_cache_distill_experiment import nudge_ulps
+    x = torch.tensor([0.3, -1.0, 0.0, 1e-20])
+    up = nudge_ulps(x, 1)
+    assert (up > x).all() and torch.equal(nudge_ulps(up, -1), x)
+    assert torch.equal(nudge_ulps(x, 2), nudge_ulps(nudge_ulps(x, 1), 1)) and torch.equal(nudge_ulps(x, 0), x)
+    assert ((up - x)[:2].abs() / x[:2].abs() < 1e-6).all()
+    with pytest.raises(ValueError, match="ulps"):
+        nudge_ulps(x, 0.5)
+
+
+def test_perturbation_agreement_flags_a_chaotic_recipe():
+    """The non-chaos check must fail on a chaotic setting: the logistic map at r = 3.9 turns a one-ulp change of x0 into
+    other values after 200 steps; at r = 2.9 (a stable fixed point) the same perturbation stays within 1e-10."""
+    from kimi_papers.serving.semantic_cache_distill_experiment import perturbation_agreement
+    x0 = 0.3
+    x1 = float(np.nextafter(x0, 1.0))
+    chaotic = perturbation_agreement(_logistic(3.9, x0), _logistic(3.9, x1), rtol=0.1)
+    assert not chaotic["stable"] and chaotic["max_rel_diff"] > 0.1
+    calm = perturbation_agreement(_logistic(2.9, x0), _logistic(2.9, x1), rtol=0.1)
+    assert calm["stable"] and calm["max_rel_diff"] < 1e-10
+    assert perturbation_agreement([1.0, 2.0], [1.05, 2.3], rtol=0.1) == {
+        "rel_diff": pytest.approx([0.05, 0.15]), "max_rel_diff": pytest.approx(0.15), "rtol": 0.1, "stable": False}
+    for ref, pert, rtol in (([1.0], [1.0, 2.0], 0.1), ([], [], 0.1), ([0.0], [0.0], 0.1), ([1.0], [np.nan], 0.1),
+                            ([1.0], [1.0], 0.0)):
+        with pytest.raises(ValueError):
+            perturbation_agreement(ref, pert, rtol)
+
+
+def test_stability_margin():
+    from kimi_papers.serving.semantic_cache_distill_experiment import stability_margin
+    probe = {0: {"kl_raw": 0.4, "kl_raw_p": 0.42, "kl_bp": 0.004}, 1: {"kl_raw": 0.5, "kl_raw_p": 0.5, "kl_bp": 0.1}}
+    np.testing.assert_allclose(stability_margin(probe), [0.05, 0.2])
+    with pytest.raises(ValueError, match="perturbed"):
+        stability_margin({0: {"kl_raw": 0.4}})
+
+
+def test_consumer_probe_on_a_twin_and_on_identical_models(models):
+    """A twin that is the same model has margin 0; producer = consumer has no misalignment; no twin, no twin keys."""
+    from kimi_papers.serving.semantic_cache_distill_experiment import consumer_probe, stability_margin
+    a, b = models
+    probe = consumer_probe(Pair(a, b, byte_codec()), Pair(a, copy.deepcopy(b), byte_codec()), [0], 2, n_cont=4, max_new=2)
+    v = probe[0]
+    assert v["kl_raw"] > 1e-3 and v["kl_raw_p"] == pytest.approx(v["kl_raw"], abs=1e-6) and v["kl_bp"] < 1e-6
+    assert 0 <= v["f1_b"] <= 1 and stability_margin(probe)[0] < 1e-4
+    same = consumer_probe(Pair(a, a, byte_codec()), None, [0], 1, n_cont=4, max_new=2)
+    assert same[0]["kl_raw"] < 1e-6 and "kl_bp" not in same[0]
+    other = consumer_probe(Pair(a, b, byte_codec()), Pair(a, a, byte_codec()), [0], 1, n_cont=4, max_new=2)[0]
+    assert other["kl_raw_p"] < 1e-6 and other["kl_bp"] > 1e-3     # a twin that is A: no misalignment, far from B

@@ -9,31 +9,16 @@ __all__ = ['LEVELS', 'RUNNER_SRC', 'Workload', 'BenchClass', 'make_workloads', '
 
 # %% ../../nbs/agents/formula_code.ipynb #db7859cz
 import ast
-import copy
 import hashlib
-import importlib
-import inspect
 import itertools
 import json
 import math
-import os
 import random
-import re
 import sys
 import textwrap
-import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
+from typing import Sequence
 
-import numpy as np
-import pandas as pd
-import torch
-
-from ..core.config import check_int
-from ..core.kernels import compile_fn
-from ..core.sandbox import DEFAULT_IMPORTS, run_python
 
 # %% ../../nbs/agents/formula_code.ipynb #db7859c2
 @dataclass(frozen=True)

@@ -8,10 +8,9 @@ from __future__ import annotations
 __all__ = ['FAMILIES', 'SPLITS', 'APPLIANCE', 'STATE_OF', 'OPENABLE', 'OBJECTS', 'STORAGE', 'MAX_STEPS', 'LAMP', 'GOAL_TEXT', 'kind_of', 'see_list', 'parse_goal', 'ALFObservation', 'ALFTruth', 'make_layout', 'MiniALFEnv', 'expert_action', 'ExpertPlanner']
 
 # %% ../../nbs/agents/light_wm.ipynb #e7a1c0de
-import json
 import re
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 

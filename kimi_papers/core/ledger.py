@@ -14,7 +14,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -24,8 +24,8 @@ from .io import atomic_write_text  # one atomic write for the whole core (also i
 
 # %% auto #0
 __all__ = ['CLAIM_STATUSES', 'MECHANICS_STATUSES', 'ROLES', 'UNTESTABLE', 'VACUOUS', 'Claim', 'Estimate', 'as_estimate',
-           'verdict', 'check_domain', 'unreachable', 'role_of', 'resolve', 'ledger_dir', 'results_path', 'load_results',
-           'make_entry', 'record', 'amend', 'adopt', 'check_results']
+           'verdict', 'check_domain', 'unreachable', 'role_of', 'stored_estimate', 'resolve', 'ledger_dir',
+           'results_path', 'load_results', 'make_entry', 'record', 'amend', 'adopt', 'check_results']
 
 # %% ../../nbs/core/ledger.ipynb #83f9a459
 CLAIM_STATUSES = ("reproduced", "not reproduced", "inconclusive")
@@ -368,10 +368,12 @@ def _claim_from(paper: str, cid: str, item: dict) -> Claim:
     return Claim(paper=paper, id=cid, role=role_of(item), **fields)
 
 
-def _stored_estimate(run: dict) -> Estimate:
+def stored_estimate(run: Mapping[str, Any]) -> Estimate:
+    """The Estimate a stored run holds (its value, interval, n, method, level and samples); a stored null is NaN."""
     lo, hi = (math.nan if v is None else float(v) for v in run["ci"])
     val = math.nan if run["estimate"] is None else float(run["estimate"])
-    return Estimate(val, lo, hi, int(run["n"]), str(run.get("method", "")), level=float(run.get("level", 0.95)))
+    samples = tuple(math.nan if s is None else float(s) for s in run.get("samples") or ())
+    return Estimate(val, lo, hi, int(run["n"]), str(run.get("method", "")), samples, float(run.get("level", 0.95)))
 
 
 _SHOWN_STATUSES = ("reproduced", "holds")
@@ -384,7 +386,7 @@ def _normalize(claim: Claim, run: dict) -> None:
     if "given_reason" not in run:
         reason = str(run.get("reason", ""))
         if not run["typed"] and claim.threshold is not None:
-            why = verdict(claim, _stored_estimate(run))[1]
+            why = verdict(claim, stored_estimate(run))[1]
             if why and reason.endswith(why):
                 reason = reason[: -len(why)].rstrip("; ")
         run["given_reason"] = reason
@@ -394,7 +396,7 @@ def _row_status(claim: Claim, run: dict) -> tuple[str, str]:
     """(status, reason) of a stored run from its own interval, reach and typed status."""
     _normalize(claim, run)
     reach = tuple(run["reach"]) if run.get("reach") else None
-    return _own_status(claim, _stored_estimate(run), bool(run["typed"]), run["given_reason"], reach)
+    return _own_status(claim, stored_estimate(run), bool(run["typed"]), run["given_reason"], reach)
 
 
 def _gate_reasons(paper: str, claims: dict, claim: Claim, own: str, profile: str, memo: dict, stack: tuple) -> list[str]:
@@ -407,14 +409,14 @@ def _gate_reasons(paper: str, claims: dict, claim: Claim, own: str, profile: str
             continue
         rst, _ = _resolve_row(paper, claims, rid, profile, memo, stack + (claim.id,))
         if rst not in _SHOWN_STATUSES:
-            out.append(f"{UNTESTABLE} {rid} not shown ({rst}, {_fmt_interval(_stored_estimate(rrun))})")
+            out.append(f"{UNTESTABLE} {rid} not shown ({rst}, {_fmt_interval(stored_estimate(rrun))})")
     if own == claim.statuses[0]:
         for nid in claim.null:
             nrun = claims.get(nid, {}).get("runs", {}).get(profile)
             if nrun is None:
                 out.append(f"{UNTESTABLE} null arm {nid} not recorded in this profile")
                 continue
-            ne = _stored_estimate(nrun)
+            ne = stored_estimate(nrun)
             if not ne.has_nan and _sides(claim.direction, float(claim.threshold), ne.low, ne.high)[0]:
                 out.append(f"{VACUOUS} {nid} clears it too ({_fmt_interval(ne)})")
     return out
@@ -617,7 +619,7 @@ def amend(claim: Claim, folder: Path | None = None, *, untype: bool = False) -> 
                                  "it was fixed before the run: rerun and record to change it")
         for run in item["runs"].values():
             _normalize(old, run)
-            check_domain(claim, _stored_estimate(run))
+            check_domain(claim, stored_estimate(run))
             if untype and run["typed"]:
                 if claim.threshold is None:
                     raise ValueError(f"amend: untype=True needs a threshold for {claim.id!r} to compute its status")
@@ -664,7 +666,7 @@ def _file_problems(name: str, data: dict) -> list[str]:
                 out.append(f"{name}:{cid}: null arm {nid!r} has role {role_of(claims[nid])!r}, expected 'control'")
         for prof, run in item.get("runs", {}).items():
             try:
-                check_domain(claim, _stored_estimate(run))
+                check_domain(claim, stored_estimate(run))
             except ValueError as e:
                 out.append(f"{name}:{cid}[{prof}]: {e}")
     return out
@@ -702,7 +704,7 @@ def check_results(folder: Path | None = None) -> list[str]:
             continue
         for cid, item in data.get("claims", {}).items():
             for prof, run in item.get("runs", {}).items():
-                where, est = f"{p.name}:{cid}[{prof}]", _stored_estimate(run)
+                where, est = f"{p.name}:{cid}[{prof}]", stored_estimate(run)
                 w = want["claims"][cid]["runs"][prof]["status"]
                 if run["status"] != w:
                     problems.append(f"{where}: status {run['status']!r} but its interval, gates and null arms imply {w!r}")

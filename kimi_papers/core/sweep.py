@@ -322,7 +322,7 @@ def merge_seed_results(chunks: Sequence[Mapping[str, Any]], profile: str, folder
 
     Rows measured per seed (t or log-t intervals) merge; a row that is not per seed must agree across chunks; any
     other interval (a bootstrap over units inside one process) cannot be merged and is refused."""
-    from kimi_papers.core.ledger import Estimate, _claim_from, load_results, record
+    from kimi_papers.core.ledger import Estimate, _claim_from, load_results, record, stored_estimate
     if not chunks:
         raise ValueError("chunks: expected the results of at least one seed chunk")
     paper = chunks[0]["paper"]
@@ -337,7 +337,7 @@ def merge_seed_results(chunks: Sequence[Mapping[str, Any]], profile: str, folder
         if not first.get("seeds"):  # not per seed: every chunk must have measured the same thing
             if any((r["estimate"], r["ci"], r["n"]) != (first["estimate"], first["ci"], first["n"]) for r in runs):
                 raise ValueError(f"{paper}.{cid}: not measured per seed and differs between chunks; cannot merge")
-            record(claim, _stored_estimate_of(first), profile, folder=folder, **extra)
+            record(claim, stored_estimate(first), profile, folder=folder, **extra)
             continue
         method = _MERGEABLE.get(first.get("method", ""))
         if method is None or any(r.get("samples") is None for r in runs):
@@ -348,14 +348,6 @@ def merge_seed_results(chunks: Sequence[Mapping[str, Any]], profile: str, folder
         record(claim, getattr(Estimate, method)(samples, float(first.get("level", 0.95))), profile, seeds=seeds,
                folder=folder, **extra)
     return load_results(paper, folder)
-
-
-def _stored_estimate_of(run: Mapping[str, Any]) -> Any:
-    """The stored estimate of a run, its samples included."""
-    import dataclasses
-
-    from kimi_papers.core.ledger import _stored_estimate
-    return dataclasses.replace(_stored_estimate(dict(run)), samples=tuple(run.get("samples") or ()))
 
 # %% ../../nbs/core/sweep.ipynb #3825b1ab
 def _stamp() -> str:

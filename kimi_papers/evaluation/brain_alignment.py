@@ -213,15 +213,22 @@ def _fold_scores_fused(XvV: Tensor, s: Tensor, UtY: Tensor, Yv: Tensor, alphas: 
 fold_scores_compiled = compile_fn(_fold_scores_fused, dynamic=True)
 
 
-def ridge_cv(X: np.ndarray, Y: np.ndarray, alphas: Sequence[float] = ALPHAS, n_folds: int = 5, compiled: bool = False) -> RidgeFit:
-    """Our own voxel-wise ridge with α per voxel from K contiguous folds scored by Pearson r (one SVD per fold), refit
-    on all of X with one SVD: W = V diag(s/(s²+α)) UᵀY. The small reference that himalaya's RidgeCV is checked against."""
+def _ridge_inputs(X: np.ndarray, Y: np.ndarray, alphas: Sequence[float],
+                  n_folds: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """X [T, p] and Y [T, V] as float64 and the checked α grid, or a ValueError naming the bad argument."""
     X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
     al = check_alphas(alphas)
     if X.ndim != 2 or Y.ndim != 2 or len(X) != len(Y):
         raise ValueError(f"X, Y: expected [T, p] and [T, V] with equal T, got {X.shape} and {Y.shape}")
     if not isinstance(n_folds, (int, np.integer)) or n_folds < 2 or len(X) < 2 * n_folds:
         raise ValueError(f"n_folds={n_folds!r}: expected an integer >= 2 with at least 2 TRs per fold (T = {len(X)})")
+    return X, Y, al
+
+
+def ridge_cv(X: np.ndarray, Y: np.ndarray, alphas: Sequence[float] = ALPHAS, n_folds: int = 5, compiled: bool = False) -> RidgeFit:
+    """Our own voxel-wise ridge with α per voxel from K contiguous folds scored by Pearson r (one SVD per fold), refit
+    on all of X with one SVD: W = V diag(s/(s²+α)) UᵀY. The small reference that himalaya's RidgeCV is checked against."""
+    X, Y, al = _ridge_inputs(X, Y, alphas, n_folds)
     fn = fold_scores_compiled if compiled else fold_scores_reference
     dt = torch.float32 if compiled else torch.float64
     scores = np.zeros((len(al), Y.shape[1]))
@@ -244,12 +251,7 @@ def ridge_cv_himalaya(X: np.ndarray, Y: np.ndarray, alphas: Sequence[float] = AL
     from himalaya.kernel_ridge import KernelRidgeCV
     from himalaya.scoring import correlation_score
     from sklearn.model_selection import KFold
-    X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
-    al = check_alphas(alphas)
-    if X.ndim != 2 or Y.ndim != 2 or len(X) != len(Y):
-        raise ValueError(f"X, Y: expected [T, p] and [T, V] with equal T, got {X.shape} and {Y.shape}")
-    if not isinstance(n_folds, (int, np.integer)) or n_folds < 2 or len(X) < 2 * n_folds:
-        raise ValueError(f"n_folds={n_folds!r}: expected an integer >= 2 with at least 2 TRs per fold (T = {len(X)})")
+    X, Y, al = _ridge_inputs(X, Y, alphas, n_folds)
     set_backend("numpy", on_error="raise")
     m = KernelRidgeCV(alphas=al, kernel="linear", cv=KFold(n_folds, shuffle=False),
                       solver_params=dict(score_func=correlation_score), warn=False)

@@ -9,18 +9,13 @@ __all__ = ['fake_quant_compiled', 'check_bits', 'check_sparsity', 'fake_quant_gr
 
 # %% ../../nbs/evaluation/brain_alignment.ipynb #f3c5d23z
 import copy
-import math
-import warnings
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from ..core.kernels import compile_fn
-from ..core.models import quantize_int8
 
 # %% ../../nbs/evaluation/brain_alignment.ipynb #f3c5d23a
 def _body_linears(model: torch.nn.Module) -> list[tuple[str, torch.nn.Linear]]:

@@ -8,16 +8,11 @@ from __future__ import annotations
 __all__ = ['SHAPES', 'COMPOSITES', 'PARTS', 'COLOURS', 'RGB', 'LABEL_CHAR', 'CHAR_LABEL', 'CHAR_COLOUR', 'RELATIONS', 'CELLS', 'GRID_X', 'GRID_D', 'IMG', 'BINS', 'PART_FRAC', 'Scene', 'cell_box', 'SceneWorld', 'render', 'check_image']
 
 # %% ../../nbs/evaluation/sage.ipynb #2041d25z
-import re
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-import torch
-from scipy.optimize import linear_sum_assignment
-from torch import Tensor
 
-from ..core.kernels import compile_fn
 
 # %% ../../nbs/evaluation/sage.ipynb #2041d259
 SHAPES = {"cube": "q", "sphere": "s", "cylinder": "y", "cone": "n"}        # simple objects
