@@ -274,7 +274,7 @@ def test_newton_semidual_checks():
     a, b = torch.full((1, 20), 1 / 20, dtype=torch.float64), torch.full((1, 8), 1 / 8, dtype=torch.float64)
     f, gg, it = newton_semidual(C, a, b, torch.zeros(1, 8, dtype=torch.float64), 0.01, 1e-10)
     assert float(marginal_error(C, a, b, gg, 0.01)[0]) <= 1e-10 and it < 100
-    with pytest.raises(ValueError, match="Newton steps"):
+    with pytest.raises(ValueError, match="after 1 rounds"):
         newton_semidual(C, a, b, torch.zeros(1, 8, dtype=torch.float64), 0.01, 1e-12, max_iter=1)
     with pytest.raises(ValueError, match="tol"):
         sinkhorn_potentials(torch.randn(4, 2), torch.randn(3, 2), tol=1.5)
@@ -321,3 +321,137 @@ def test_harness_names_moved_to_the_experiment_module():
         assert method.KeyDoorCorridor is KeyDoorCorridor
     with pytest.raises(AttributeError):
         method.no_such_name
+
+
+def test_tune_lr_extends_at_an_edge_and_picks_the_argmax():
+    """A toy score peaked at lr = 1e-2 (above the grid): the grid's best (3e-3) is at the top edge, so 9e-3 and then
+    2.7e-2 are tried; 9e-3 (interior) is chosen. Peaked below the grid: the grid extends downwards."""
+    from kimi_papers.rl.hpo_experiment import tune_lr
+    peak = lambda p: (lambda lr: -abs(math.log(lr / p)))
+    best, rows = tune_lr(peak(1e-2), (3e-4, 1e-3, 3e-3), factor=3.0, max_extend=2)
+    assert [r["lr"] for r in rows] == [3e-4, 1e-3, 3e-3, 9e-3, 2.7e-2] and [r["round"] for r in rows] == [0, 0, 0, 1, 2]
+    assert best == 9e-3 == max(rows, key=lambda r: r["score"])["lr"]
+    assert [r["chosen"] for r in rows] == [False, False, False, True, False] and not rows[0]["at_edge"]
+    best, rows = tune_lr(peak(1e-4), (3e-4, 1e-3, 3e-3), factor=3.0, max_extend=2)
+    assert best == 1e-4 and [r["lr"] for r in rows][3:] == [1e-4, float("3.33e-05")] and not rows[0]["at_edge"]
+    best, rows = tune_lr(peak(1.0), (3e-4, 1e-3, 3e-3), factor=3.0, max_extend=2)  # still at the edge: flagged
+    assert best == 2.7e-2 and len(rows) == 5 and all(r["at_edge"] for r in rows)
+    best, rows = tune_lr(peak(1e-3), (3e-3, 3e-4, 1e-3))  # interior at once: no extension; any grid order
+    assert best == 1e-3 and len(rows) == 3
+    best, rows = tune_lr(lambda lr: 1.0, (1e-3, 1e-2), max_extend=0)  # ties: the smaller lr; max_extend=0: the grid only
+    assert best == 1e-3 and len(rows) == 2 and rows[0]["at_edge"]
+    # a flat score below the grid (an arm that does best barely moving): the added 1e-4 only ties 3e-4, so 3e-4 stays
+    # chosen (interior now) and the extension ends instead of walking down while the score is flat
+    best, rows = tune_lr(lambda lr: -max(lr, 3e-4), (3e-4, 1e-3, 3e-3), factor=3.0, max_extend=4)
+    assert best == 3e-4 and [r["lr"] for r in rows] == [3e-4, 1e-3, 3e-3, 1e-4] and not rows[0]["at_edge"]
+    for bad in ((1e-3,), (1e-3, -1.0), [1e-3, float("nan")], 1e-3):
+        with pytest.raises(ValueError, match="grid"):
+            tune_lr(peak(1e-3), bad)
+    with pytest.raises(ValueError, match="factor"):
+        tune_lr(peak(1e-3), (1e-3, 1e-2), factor=1.0)
+    with pytest.raises(ValueError, match="score"):
+        tune_lr(lambda lr: float("nan"), (1e-3, 1e-2))
+
+
+def _tiny_cfg(**kw):
+    cfg = dict(env_kw=dict(n=9, horizon=8, paraphrases=2, door=False), prompts=2, group=4, lr=5e-4, hidden=8, layers=1,
+               coef=0.5, beta_kl=0.001, updates=3, n_iter=None, tol=1e-6, eval_every=2, eval_episodes=6, gradvar_points=0,
+               gradvar_batches=2, gradvar_prompts=2, seeds=(0, 1), bc_target=0.0, lr_grid=(1e-3, 3e-2), lr_factor=3.0,
+               lr_extend=1, tune_updates=2, tune_seed=100)
+    return {**cfg, **kw}
+
+
+def test_tuned_lr_is_the_lr_each_arm_trains_with():
+    """tune_arms picks each tuned arm's lr by its own score on the tuning seed; run_hpo then trains every arm at exactly
+    that lr (read back from the optimizer), an lr_from arm at its source's lr; a tuning seed among the evaluation seeds
+    and an lrs dict that misses an arm are refused."""
+    from kimi_papers.rl.hpo_experiment import (
+        eval_configs_for, make_encoders, run_hpo, train_arm, tune_arms, tune_lr, warm_policy)
+    cfg = _tiny_cfg()
+    arms = {"GRPO": dict(advantage="grpo"), "HPO-onehot": dict(advantage="hpo", encoder="onehot", form="paper"),
+            "HPO-onehot (code form)": dict(advantage="hpo", encoder="onehot", form="code", lr_from="HPO-onehot")}
+    enc = {"onehot": OneHotIntents()}
+    lrs, table = tune_arms(cfg, arms, enc)
+    assert set(lrs) == set(arms) and lrs["HPO-onehot (code form)"] == lrs["HPO-onehot"]
+    assert set(table.arm) == {"GRPO", "HPO-onehot"} and (table.groupby("arm").chosen.sum() == 1).all()
+    # the table's scores are the tuning runs' success AUC, and the chosen lr is their argmax (recomputed here)
+    ev = eval_configs_for(cfg)
+    warm, _ = warm_policy(cfg["env_kw"], cfg["hidden"], cfg["layers"], 100, 0.0, eval_configs=ev)
+    for name in ("GRPO", "HPO-onehot"):
+        t = table[table.arm == name]
+        for lr_, s_ in zip(t.lr, t.score):
+            rows, _ = train_arm(arms[name], warm, 100, dict(cfg, updates=2), enc, ev, lr=lr_)
+            assert s_ == pytest.approx(float(np.mean([r["success"] for r in rows])), abs=1e-12)
+        assert lrs[name] == t.lr.iloc[int(np.argmax(t.score.to_numpy()))]
+    forced = {"GRPO": 3e-2, "HPO-onehot": 1e-3, "HPO-onehot (code form)": 1e-3}
+    curves, _ = run_hpo(cfg, arms, enc, lrs=forced)
+    ran = curves.groupby("arm").lr.agg(["min", "max"])
+    assert all(ran.loc[a, "min"] == ran.loc[a, "max"] == forced[a] for a in arms)
+    assert (curves.lr != cfg["lr"]).all()  # nobody fell back to cfg['lr']
+    with pytest.raises(ValueError, match="tune_seed"):
+        tune_arms(_tiny_cfg(tune_seed=1), arms, enc)
+    with pytest.raises(ValueError, match="lrs"):
+        run_hpo(cfg, arms, enc, lrs={"GRPO": 1e-3})
+    with pytest.raises(ValueError, match="lr_from"):
+        tune_arms(cfg, {"A": dict(advantage="grpo", lr_from="B")}, enc)
+    lrs0, t0 = tune_arms(_tiny_cfg(tune_updates=0), arms, enc)  # no tuning: every arm at cfg['lr']
+    assert len(t0) == 0 and set(lrs0.values()) == {5e-4}
+
+
+def test_newton_semidual_pseudo_inverse_step_on_a_singular_system(monkeypatch):
+    """Where torch's solve reports a singular Newton system (it did on a near-deterministic batch in the oracle intent
+    space), that problem takes the pseudo-inverse step and still converges to the same potentials; the others are
+    untouched."""
+    g = _gen(11)
+    X, Y = torch.rand(3, 12, 2, generator=g, dtype=torch.float64), torch.rand(3, 6, 2, generator=g, dtype=torch.float64)
+    C = pairwise_cost(X, Y)
+    a, b = torch.full((3, 12), 1 / 12, dtype=torch.float64), torch.full((3, 6), 1 / 6, dtype=torch.float64)
+    g0 = torch.zeros(3, 6, dtype=torch.float64)
+    f_ref, g_ref, _ = newton_semidual(C, a, b, g0, 0.05, tol=1e-9)
+    real = torch.linalg.solve_ex
+    calls = []
+
+    def flaky(M, B, **kw):  # batch element 1 "singular": garbage solution, info != 0
+        d, info = real(M, B, **kw)
+        calls.append(1)
+        return torch.where(torch.arange(len(M))[:, None, None] == 1, torch.full_like(d, float("nan")), d), \
+            torch.where(torch.arange(len(M)) == 1, torch.ones_like(info), info)
+    monkeypatch.setattr(torch.linalg, "solve_ex", flaky)
+    f, gg, _ = newton_semidual(C, a, b, g0, 0.05, tol=1e-9)
+    assert calls and torch.isfinite(f).all()
+    assert torch.allclose(f, f_ref, atol=1e-8) and torch.allclose(gg - gg.mean(-1, keepdim=True), g_ref - g_ref.mean(-1, keepdim=True), atol=1e-8)
+
+
+STALLED = FIXTURE.with_name("hpo_stalled_newton.pt")
+
+
+def _stalled() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The group that stalled the first Newton solver in a tuned run (data/fixtures): a collapsed policy's 95 steps
+    are copies of its 11 success steps in uneven numbers, so at eps = 0.01 the schedule's plan g0 is a hard
+    assignment. (C [1, 95, 11], a, b uniform, g0 [1, 11]) in float64."""
+    d = torch.load(STALLED)
+    C = d["C"].double()[None]
+    n, m = C.shape[1:]
+    return C, torch.full((1, n), 1 / n, dtype=torch.float64), torch.full((1, m), 1 / m, dtype=torch.float64), d["g0"].double()[None]
+
+
+def test_newton_solves_the_stalled_batch_and_matches_pot():
+    """Where Newton's curvature vanishes the solver moves on by Sinkhorn updates: from the schedule potential the solve
+    reaches tol = 1e-6 and its potential matches POT's log-domain Sinkhorn (the first solver, Newton only, stalled at
+    marginal error 2.36 here)."""
+    C, a, b, g0 = _stalled()
+    ref, pot_err = _pot_centred_potential(C[0].numpy(), 0.01)
+    assert pot_err < 1e-9
+    assert float(marginal_error(C, a, b, g0, 0.01)) > 2
+    f, g, rounds = newton_semidual(C, a, b, g0, 0.01, 1e-6)
+    assert float(marginal_error(C, a, b, g, 0.01)) <= 1e-6 and rounds <= 200
+    assert _rel_err(f[0], ref) < 1e-4
+    P = a[0, :, None] * torch.exp((f[0, :, None] + g[0, None, :] - C[0]) / 0.01) * b[0, None, :]
+    assert float(P[C[0] > 0].sum()) > 0.2  # the surplus of the over-visited points crossed to other points
+
+
+def test_newton_raises_when_rounds_run_out():
+    """An exhausted budget raises with the marginal error in the message (no silent fallback)."""
+    C, a, b, g0 = _stalled()
+    with pytest.raises(ValueError, match="marginal error .* after 2 rounds"):
+        newton_semidual(C, a, b, g0, 0.01, 1e-6, max_iter=2)

@@ -165,12 +165,21 @@ def marginal_error(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float) -> Te
     return (grad.abs() / b.clamp(min=1e-300)).masked_fill(b <= 0, 0.0).amax(-1)
 
 
+def _sinkhorn_g(C: Tensor, a: Tensor, f: Tensor, eps: float) -> Tensor:
+    """The Sinkhorn update of g [B, m] from f [B, n]: g_j = -eps LSE_i [log a_i + (f_i - C_ij) / eps] (column marginals
+    exact); with f the c-transform of the old g it never lowers the semi-dual."""
+    return -eps * torch.logsumexp(a.log()[:, :, None] + (f[:, :, None] - C) / eps, 1)
+
+
 def newton_semidual(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float, tol: float = 1e-6,
-                    max_iter: int = 200) -> tuple[Tensor, Tensor, int]:
+                    max_iter: int = 200, sinkhorn_steps: int = 20) -> tuple[Tensor, Tensor, int]:
     """Solve the entropic OT semi-dual to `tol` (relative column-marginal error) by damped Newton from g [B, m].
 
-    float64 throughout; Armijo backtracking keeps every step an ascent step. Returns (f [B, n], g [B, m], iterations);
-    raises when `max_iter` steps do not reach `tol`."""
+    float64 throughout; Armijo backtracking keeps every Newton step an ascent step. Each round a problem takes its
+    Newton step only where that gains more semi-dual than one Sinkhorn update; elsewhere (the plan is nearly a hard
+    assignment, so the Hessian is numerically zero: e.g. a batch whose steps all coincide with success steps) it takes
+    `sinkhorn_steps` Sinkhorn updates, each of which ascends. Returns (f [B, n], g [B, m], rounds); raises when
+    `max_iter` rounds do not reach `tol`."""
     C, a, b, g = C.double(), a.double(), b.double(), g.double()
     pad = b <= 0
     g = torch.where(pad, torch.zeros_like(g), g)
@@ -186,16 +195,30 @@ def newton_semidual(C: Tensor, a: Tensor, b: Tensor, g: Tensor, eps: float, tol:
             break
         ridge = 1e-10 * H.diagonal(dim1=-2, dim2=-1).amax(-1).clamp(min=1e-30)  # columns the plan barely reaches
         M = H + rank1 + torch.diag_embed(pad.double() + ridge[:, None].expand_as(g))
-        d = torch.linalg.solve(M, grad.unsqueeze(-1)).squeeze(-1)
-        d = torch.where(pad | done[:, None], torch.zeros_like(d), d)
+        d, info = torch.linalg.solve_ex(M, grad.unsqueeze(-1))
+        bad = info != 0  # a numerically singular system: the pseudo-inverse step there (the line search judges it)
+        if bool(bad.any()):
+            d = torch.where(bad[:, None, None], torch.linalg.pinv(torch.where(bad[:, None, None], M, torch.eye(
+                M.shape[-1], dtype=M.dtype, device=M.device)), hermitian=True) @ grad.unsqueeze(-1), d)
+        d = torch.where(pad | done[:, None] | ~torch.isfinite(d.squeeze(-1)), 0.0, d.squeeze(-1))
         slope, t = (grad * d).sum(-1), (2 * t_prev).clamp(max=1.0)  # start from twice the last accepted step
-        for _ in range(50):
-            ok = _semidual(C, a, b, g + t[:, None] * d, eps, hessian=False)[0] >= phi + 1e-4 * t * slope
+        ok = torch.zeros_like(done)
+        for _ in range(30):
+            phi_n = _semidual(C, a, b, g + t[:, None] * d, eps, hessian=False)[0]
+            ok = (slope > 0) & (phi_n >= phi + 1e-4 * t * slope)
             if bool((ok | done).all()):
                 break
             t = torch.where(ok | done, t, 0.5 * t)
-        g, t_prev = g + t[:, None] * d, torch.where(done, t_prev, t)
-    raise ValueError(f"newton_semidual: marginal error {float(err.max()):.3g} > tol={tol} after {max_iter} Newton steps; "
+        g_s = torch.where(pad, 0.0, _sinkhorn_g(C, a, f, eps))  # one Sinkhorn update: the step Newton must beat
+        phi_s = _semidual(C, a, b, g_s, eps, hessian=False)[0]
+        newton = ok & (phi_n - phi >= phi_s - phi)
+        g = torch.where(newton[:, None], g + t[:, None] * d, torch.where(done[:, None], g, g_s))
+        t_prev = torch.where(newton, t, torch.ones_like(t_prev))
+        slow = ~(newton | done)  # nearly a hard assignment: Newton's curvature is ~0, Sinkhorn moves the potentials
+        for _ in range(sinkhorn_steps - 1 if bool(slow.any()) else 0):
+            fs = _semidual(C, a, b, g, eps, hessian=False)[3]
+            g = torch.where(slow[:, None] & ~pad, _sinkhorn_g(C, a, fs, eps), g)
+    raise ValueError(f"newton_semidual: marginal error {float(err.max()):.3g} > tol={tol} after {max_iter} rounds; "
                      "raise tol, max_iter or eps")
 
 
